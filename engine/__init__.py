@@ -1,0 +1,1 @@
+"""The engine-core child: EngineCoreProc and its models. Imports torch only lazily."""

@@ -1,0 +1,358 @@
+"""The engine-core child process.
+
+The daemon execs ``python -m engine``, which calls the static entry point
+``EngineCoreProc.run_engine_core(config)``. Everything heavy (torch, transformers, the model) is
+built lazily here, inside the child, never in the daemon. The lifecycle:
+
+    HELLO -> Progress(phase...) -> READY -> busy loop (+ heartbeat thread) -> finally: cleanup, GOODBYE
+
+Exit codes (DESIGN): 0 clean, 78 invalid engine config/model, 128+N after signal N, 1 crash.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import ctypes
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, NoReturn
+
+import msgspec
+import zmq
+
+from engine import protocol as proto
+from engine.models import EngineConfigError, Model, build_model
+
+_PR_SET_PDEATHSIG = 1
+_IDLE_POLL_MS = 500  # idle wake-up; a signal wakes the loop at once through the wakeup fd
+_LINGER_MS = 500  # bounded linger: a dead daemon must not block our exit
+
+
+class StopRequested(Exception):
+    """Raised inside model building when SIGTERM/SIGINT arrived: stop loading, clean up."""
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL us when the daemon dies, then close the race where it already has.
+
+    PR_SET_PDEATHSIG is tied to the daemon's thread that spawned us; engined spawns from its
+    event-loop thread, which lives as long as the daemon does.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    parent = os.environ.get(proto.ENV_PARENT_PID)
+    if parent is not None and os.getppid() != int(parent):
+        os._exit(1)  # the daemon died before the prctl took effect
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; the handler does nothing else (the busy loop drains and exits)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def handler(self, signum: int, _frame: Any) -> None:
+        self.signum = signum
+
+    @property
+    def set(self) -> bool:
+        return self.signum is not None
+
+
+class EngineCoreProc:
+    """One engine core: builds its model lazily, serves requests, heartbeats, cleans up."""
+
+    def __init__(self, config: proto.EngineConfig, stop: _StopFlag | None = None) -> None:
+        _validate(config)
+        self.config = copy.deepcopy(config)
+        self.stop = stop or _StopFlag()
+        self.model: Model | None = None
+        self.ctx = zmq.Context.instance()
+        self.control = self._socket(zmq.PUSH, config.control_endpoint)
+        self.requests = self._socket(zmq.DEALER, config.request_endpoint, identity=True)
+        self.waiting: collections.deque[tuple[proto.GenerateRequest, float]] = collections.deque()
+        self.running = 0
+        self.iteration = 0
+        self.last_iteration_at = time.monotonic()
+        self.requests_ok = 0
+        self.requests_failed = 0
+        self._heartbeat: _HeartbeatThread | None = None
+
+    # --- entry point -------------------------------------------------------------------------
+    @staticmethod
+    def run_engine_core(config: proto.EngineConfig | dict | str) -> NoReturn:
+        """Process entry: never returns; exits with the DESIGN exit-code contract."""
+        _die_with_parent()
+        stop = _StopFlag()
+        signal.signal(signal.SIGTERM, stop.handler)
+        signal.signal(signal.SIGINT, stop.handler)
+        code = proto.EXIT_OK
+        core: EngineCoreProc | None = None
+        try:
+            cfg = _coerce_config(config)
+            core = _core_class(cfg)(cfg, stop)
+            core.run()
+        except (EngineConfigError, msgspec.ValidationError) as exc:
+            print(f"[config] invalid engine config: {exc}", file=sys.stderr, flush=True)
+            code = proto.EXIT_CONFIG
+        except StopRequested:
+            pass
+        except BaseException:  # noqa: BLE001 - the crash is logged, then reported by exit code
+            traceback.print_exc()
+            code = 1
+        finally:
+            if core is not None:
+                core.shutdown(reason=_exit_reason(code, stop))
+        if code == proto.EXIT_OK and stop.set:
+            code = proto.EXIT_SIGNAL_BASE + stop.signum
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def run(self) -> None:
+        cfg = self.config
+        self._send(proto.Hello(cfg.name, cfg.incarnation, os.getpid()))
+        started = time.monotonic()
+        self.model = build_model(cfg, self._progress)
+        self._send_hello_on_requests()
+        load_s = time.monotonic() - started
+        self._send(proto.Ready(cfg.name, cfg.incarnation, load_s, self.model.device,
+                               cfg.model, self.model.dtype, self.model.gpu_memory()))
+        print(f"[ready] {cfg.name} incarnation {cfg.incarnation} loaded in {load_s:.3f}s "
+              f"on {self.model.device}", file=sys.stderr, flush=True)
+        self._heartbeat = _HeartbeatThread(self)
+        self._heartbeat.start()
+        self.busy_loop()
+
+    def busy_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.requests, zmq.POLLIN)
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        poller.register(wake_r, zmq.POLLIN)
+        try:
+            while not self.stop.set:
+                timeout = 0 if self.waiting else _IDLE_POLL_MS
+                ready = dict(poller.poll(timeout))
+                if wake_r in ready:
+                    _drain_fd(wake_r)
+                if self.requests in ready:
+                    self._take_requests()
+                if self.waiting:
+                    self.step()
+                self.iteration += 1
+                self.last_iteration_at = time.monotonic()
+            self._abort_waiting("engine stopping")
+        finally:
+            signal.set_wakeup_fd(-1)
+            os.close(wake_r)
+            os.close(wake_w)
+
+    def step(self) -> None:
+        """One batch: take up to max_batch_size waiting requests, run the model, send results."""
+        assert self.model is not None
+        batch = [self.waiting.popleft()
+                 for _ in range(min(len(self.waiting), self.config.max_batch_size))]
+        self.running = len(batch)
+        started = time.monotonic()
+        try:
+            completions = self.model.generate([req for req, _ in batch])
+        finally:
+            self.running = 0
+        compute_s = time.monotonic() - started
+        for (req, queued_at), done in zip(batch, completions):
+            self._reply(req, text=done.text, prompt_tokens=done.prompt_tokens,
+                        completion_tokens=done.completion_tokens, batch_size=len(batch),
+                        queue_s=started - queued_at, compute_s=compute_s)
+            self.requests_ok += 1
+
+    def shutdown(self, reason: str) -> None:
+        """The `finally`: stop heartbeats, free the model, report what was freed, close sockets."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        report: dict[str, float] = {}
+        if self.model is not None:
+            report.update(self.model.close())
+            self.model = None
+        report["gc_collected"] = float(gc.collect())
+        report.update(_release_cuda())
+        cfg = self.config
+        print(f"[cleanup] {cfg.name} incarnation {cfg.incarnation} reason={reason} "
+              + " ".join(f"{k}={v:g}" for k, v in sorted(report.items())),
+              file=sys.stderr, flush=True)
+        self._send(proto.Goodbye(cfg.name, cfg.incarnation, reason, report))
+        self.control.close(linger=_LINGER_MS)
+        self.requests.close(linger=0)
+        self.ctx.term()
+
+    # --- helpers -----------------------------------------------------------------------------
+    def _socket(self, kind: int, endpoint: str, identity: bool = False) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        sock.setsockopt(zmq.SNDTIMEO, 1000)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        if identity:
+            sock.setsockopt(zmq.IDENTITY,
+                            routing_id(self.config.name, self.config.incarnation).encode())
+        sock.connect(endpoint)
+        return sock
+
+    def _send(self, message: msgspec.Struct) -> None:
+        try:
+            self.control.send(proto.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the daemon is not reading (gone or overloaded); heartbeats are best effort
+
+    def _send_hello_on_requests(self) -> None:
+        # The first frame on the DEALER teaches the daemon's ROUTER our routing identity.
+        self.requests.send(b"")
+
+    def _progress(self, phase: str, detail: str = "") -> None:
+        if self.stop.set:
+            raise StopRequested(phase)
+        self._send(proto.Progress(self.config.name, self.config.incarnation, phase, detail))
+        print(f"[load] {self.config.name} {phase} {detail}".rstrip(), file=sys.stderr, flush=True)
+
+    def _take_requests(self) -> None:
+        now = time.monotonic()
+        while True:
+            try:
+                frame = self.requests.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = proto.decode_request(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                print(f"[ipc] {self.config.name} dropped malformed request frame: {exc}",
+                      file=sys.stderr, flush=True)
+                continue
+            if isinstance(msg, proto.GenerateRequest):
+                self.waiting.append((msg, now))
+
+    def _reply(self, req: proto.GenerateRequest, **fields: Any) -> None:
+        result = proto.GenerateResult(id=req.id, engine=self.config.name,
+                                      incarnation=self.config.incarnation, **fields)
+        try:
+            self.requests.send(proto.encode(result), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _abort_waiting(self, error: str) -> None:
+        while self.waiting:
+            req, _ = self.waiting.popleft()
+            self._reply(req, error=error)
+            self.requests_failed += 1
+
+
+class DPEngineCoreProc(EngineCoreProc):
+    """A rank of a data-parallel group. Until torch.distributed groups land it runs one rank's
+    busy loop like EngineCoreProc; the daemon already gang-restarts the group."""
+
+
+def routing_id(name: str, incarnation: int) -> str:
+    return f"{name}:{incarnation}"
+
+
+class _HeartbeatThread(threading.Thread):
+    """Sends heartbeats with the busy loop's progress stamp from its own socket.
+
+    A thread, so that a long model step does not miss heartbeats; it reports the loop's stamp,
+    so a stuck loop still shows as stalled. A GIL-holding hang or SIGSTOP silences it (hang).
+    """
+
+    def __init__(self, core: EngineCoreProc) -> None:
+        super().__init__(name="engined-heartbeat", daemon=True)
+        self.core = core
+        self._stopped = threading.Event()
+        self.sock = core.ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 4)  # a stale heartbeat is worthless: do not queue many
+        self.sock.connect(core.config.control_endpoint)
+
+    def run(self) -> None:
+        seq = 0
+        interval_s = self.core.config.heartbeat_interval_s
+        while True:
+            self._beat(seq)
+            seq += 1
+            if self._stopped.wait(interval_s):
+                break
+        self.sock.close(linger=0)
+
+    def _beat(self, seq: int) -> None:
+        core, cfg = self.core, self.core.config
+        model = core.model
+        hb = proto.Heartbeat(cfg.name, cfg.incarnation, seq, core.iteration,
+                             core.last_iteration_at, len(core.waiting), core.running,
+                             core.requests_ok, core.requests_failed,
+                             model.gpu_memory() if model is not None else [])
+        try:
+            self.sock.send(proto.encode(hb), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.join(timeout=2.0)
+
+
+# --- module helpers ------------------------------------------------------------------------------
+def _validate(config: proto.EngineConfig) -> None:
+    if config.max_batch_size < 1:
+        raise EngineConfigError(f"max_batch_size must be >= 1, got {config.max_batch_size}")
+    if config.heartbeat_interval_s <= 0:
+        raise EngineConfigError("heartbeat_interval_s must be > 0")
+    if not 0 <= config.rank < max(config.replicas, 1):
+        raise EngineConfigError(f"rank {config.rank} outside 0..{config.replicas - 1}")
+
+
+def _coerce_config(config: proto.EngineConfig | dict | str) -> proto.EngineConfig:
+    if isinstance(config, proto.EngineConfig):
+        return config
+    if isinstance(config, dict):
+        return msgspec.convert(config, proto.EngineConfig)
+    return proto.decode_config(config)
+
+
+def _core_class(config: proto.EngineConfig) -> type[EngineCoreProc]:
+    return DPEngineCoreProc if config.data_parallel else EngineCoreProc
+
+
+def _exit_reason(code: int, stop: _StopFlag) -> str:
+    if stop.set:
+        return f"signal {signal.Signals(stop.signum).name}"
+    return {proto.EXIT_OK: "clean", proto.EXIT_CONFIG: "config"}.get(code, "exception")
+
+
+def _drain_fd(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _release_cuda() -> dict[str, float]:
+    """Release CUDA only if torch was imported and CUDA initialised; never import torch here."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return {}
+    before_alloc = torch.cuda.memory_allocated()
+    before_reserved = torch.cuda.memory_reserved()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.ipc_collect()
+    return {"cuda_allocated_before_bytes": float(before_alloc),
+            "cuda_reserved_before_bytes": float(before_reserved),
+            "cuda_allocated_after_bytes": float(torch.cuda.memory_allocated()),
+            "cuda_reserved_after_bytes": float(torch.cuda.memory_reserved())}
+
+
+ProgressFn = Callable[[str, str], None]

@@ -1,0 +1,106 @@
+"""Models an engine core can run, built lazily inside the child.
+
+`builtin:echo` is the light engine: same lifecycle, heartbeats and request loop as a real one, no
+torch. It echoes the prompt back one character-token at a time. Fault switches for tests and
+chaos runs come from the child's environment (set through the spec's `env`):
+
+* ENGINED_ECHO_LOAD_S=SECONDS  — take this long to "load" (reported as progress phases)
+* ENGINED_ECHO_FAIL=build      — the build raises (a crash: exit 1, restarted with backoff)
+* ENGINED_ECHO_FAIL=config     — the build reports an invalid config (exit 78, FAILED at once)
+* ENGINED_ECHO_TOKEN_MS=MS     — time per generated token
+* a prompt starting with `!stall` makes the step block forever (the busy loop stops progressing
+  while the heartbeat thread lives on), `!raise` raises inside the busy loop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    from engine.protocol import EngineConfig, GenerateRequest, GpuMemory
+
+ProgressFn = Callable[[str, str], None]
+
+
+class EngineConfigError(Exception):
+    """The engine's own config or model is invalid: exit 78, do not restart."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Model(Protocol):
+    device: str
+    dtype: str
+
+    def generate(self, batch: list[GenerateRequest]) -> list[Completion]: ...
+
+    def gpu_memory(self) -> list[GpuMemory]: ...
+
+    def close(self) -> dict[str, float]: ...
+
+
+def build_model(config: EngineConfig, progress: ProgressFn) -> Model:
+    """Dispatch on the model source; heavy imports happen only in the branch that needs them."""
+    if config.model == "builtin:echo":
+        return EchoModel.build(progress)
+    if config.model.startswith("builtin:"):
+        raise EngineConfigError(f"unknown builtin model {config.model!r}")
+    raise EngineConfigError(
+        f"model {config.model!r}: only builtin:echo is available in this build")
+
+
+class EchoModel:
+    device = "cpu"
+    dtype = "none"
+
+    def __init__(self, token_s: float) -> None:
+        self.token_s = token_s
+
+    @classmethod
+    def build(cls, progress: ProgressFn) -> EchoModel:
+        fail = os.environ.get("ENGINED_ECHO_FAIL", "")
+        load_s = float(os.environ.get("ENGINED_ECHO_LOAD_S", "0"))
+        progress("weights", "echo")
+        if load_s > 0:
+            _sleep_in_steps(load_s, progress)
+        if fail == "build":
+            raise RuntimeError("echo build failed (ENGINED_ECHO_FAIL=build)")
+        if fail == "config":
+            raise EngineConfigError("echo config rejected (ENGINED_ECHO_FAIL=config)")
+        progress("warmup", "")
+        return cls(float(os.environ.get("ENGINED_ECHO_TOKEN_MS", "0")) / 1000.0)
+
+    def generate(self, batch: list[GenerateRequest]) -> list[Completion]:
+        for req in batch:
+            if req.prompt.startswith("!stall"):
+                while True:  # a wedged kernel: the loop stops progressing, heartbeats go on
+                    time.sleep(3600)
+            if req.prompt.startswith("!raise"):
+                raise RuntimeError("echo engine raised on request (!raise)")
+        longest = max(min(req.max_tokens, len(req.prompt)) for req in batch)
+        if self.token_s:
+            time.sleep(self.token_s * longest)
+        return [Completion(req.prompt[: req.max_tokens], len(req.prompt),
+                           min(req.max_tokens, len(req.prompt))) for req in batch]
+
+    def gpu_memory(self) -> list[GpuMemory]:
+        return []
+
+    def close(self) -> dict[str, float]:
+        return {"model_freed": 1.0}
+
+
+def _sleep_in_steps(total_s: float, progress: ProgressFn) -> None:
+    """Load slowly but stay responsive to SIGTERM (progress raises StopRequested)."""
+    deadline = time.monotonic() + total_s
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 0.05))
+        progress("weights", f"{max(left, 0):.2f}s left")

@@ -1,0 +1,158 @@
+"""Messages between the daemon and its engine-core children (torch-free, msgpack via msgspec).
+
+Two ZeroMQ channels, both bound by the daemon so children never fight over ports:
+
+* control: each child PUSHes Hello / Progress / Ready / Heartbeat / Goodbye to the daemon's PULL
+  socket. Heartbeats come from a dedicated thread in the child, so they never queue behind
+  request traffic, and they carry the busy loop's progress stamp so a live thread cannot hide a
+  stuck loop.
+* requests: the daemon's ROUTER talks to one DEALER per child (routing identity
+  ``name:incarnation``); GenerateRequest goes down, GenerateResult comes back.
+
+Every message names its engine and incarnation; the daemon drops messages from an incarnation
+that is no longer current. Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# Child exit-code contract (DESIGN "Engine lifecycle").
+EXIT_OK = 0
+EXIT_CONFIG = 78  # EX_CONFIG: the engine's own config or model is invalid; do not restart
+EXIT_SIGNAL_BASE = 128  # 128+N: terminated by signal N after cleanup
+
+# Environment variables the daemon sets for each child.
+ENV_CONFIG = "ENGINED_CONFIG"  # JSON of EngineConfig
+ENV_PARENT_PID = "ENGINED_PARENT_PID"  # the daemon's pid, checked after PR_SET_PDEATHSIG
+
+# Safety bounds for decoding: a malformed or hostile frame must not cost the daemon memory.
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+
+
+class GpuMemory(msgspec.Struct, frozen=True):
+    gpu: int  # physical index
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    peak_bytes: int = 0
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    engine: str
+    incarnation: int
+    pid: int
+
+
+class Progress(msgspec.Struct, tag="progress", frozen=True):
+    """Loading phases while STARTING (import, weights, warm-up, ...)."""
+
+    engine: str
+    incarnation: int
+    phase: str
+    detail: str = ""
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    engine: str
+    incarnation: int
+    load_s: float
+    device: str
+    model: str
+    dtype: str
+    gpu_memory: list[GpuMemory] = []
+
+
+class Heartbeat(msgspec.Struct, tag="hb", frozen=True):
+    engine: str
+    incarnation: int
+    seq: int
+    iteration: int  # busy-loop iterations so far
+    last_iteration_at: float  # CLOCK_MONOTONIC (system-wide on Linux) of the last iteration
+    waiting: int  # requests queued, not yet in a batch
+    running: int  # requests in the batch being computed
+    requests_ok: int = 0
+    requests_failed: int = 0
+    gpu_memory: list[GpuMemory] = []
+
+
+class Goodbye(msgspec.Struct, tag="bye", frozen=True):
+    """Sent from the child's `finally`: what cleanup ran and what it freed."""
+
+    engine: str
+    incarnation: int
+    reason: str
+    cleanup: dict[str, float] = {}
+
+
+ControlMessage = Hello | Progress | Ready | Heartbeat | Goodbye
+
+
+class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
+    id: str
+    prompt: str
+    max_tokens: int = 16
+
+
+class GenerateResult(msgspec.Struct, tag="result", frozen=True):
+    id: str
+    engine: str
+    incarnation: int
+    text: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    batch_size: int = 0
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    error: str | None = None
+
+
+RequestMessage = GenerateRequest | GenerateResult
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything a child needs, resolved by the daemon and passed at exec time."""
+
+    name: str
+    group: str
+    rank: int
+    replicas: int
+    incarnation: int
+    model: str  # "builtin:echo", "builtin:tiny-llama" or a directory
+    dtype: str | None
+    gpus: list[int]
+    data_parallel: bool
+    max_batch_size: int
+    threads: int
+    control_endpoint: str
+    request_endpoint: str
+    heartbeat_interval_s: float
+
+
+_control_encoder = msgspec.msgpack.Encoder()
+_control_decoder = msgspec.msgpack.Decoder(ControlMessage)
+_request_decoder = msgspec.msgpack.Decoder(RequestMessage)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _control_encoder.encode(message)
+
+
+def decode_control(frame: bytes) -> ControlMessage:
+    """Raises msgspec.DecodeError / ValidationError for anything malformed."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise msgspec.DecodeError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    return _control_decoder.decode(frame)
+
+
+def decode_request(frame: bytes) -> RequestMessage:
+    if len(frame) > MAX_FRAME_BYTES:
+        raise msgspec.DecodeError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    return _request_decoder.decode(frame)
+
+
+def encode_config(config: EngineConfig) -> str:
+    return msgspec.json.encode(config).decode()
+
+
+def decode_config(text: str | bytes) -> EngineConfig:
+    return msgspec.json.decode(text, type=EngineConfig)

@@ -1,0 +1,183 @@
+"""`engined`: the daemon's entry point. Builds the object graph in one place and runs the loop.
+
+One asyncio event loop owns all state. Signal handlers only enqueue a command; SIGTERM/SIGINT,
+SIGHUP and control requests all enter through `Daemon.dispatch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import enum
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from supervisor import __version__
+from supervisor.control import ControlContext, make_app
+from supervisor.fleet import Fleet
+from supervisor.handle import EngineHandle, HandleDeps
+from supervisor.ipc import EngineChannels
+from supervisor.launcher import ExecLauncher
+from supervisor.runtime import (RuntimeError_, RuntimeLock, prepare_runtime_dir,
+                                resolve_log_dir, resolve_runtime_dir)
+from supervisor.spec import FleetSpec, SpecError, format_fleet, load_fleet
+
+log = logging.getLogger("engined")
+
+EXIT_OK, EXIT_FATAL, EXIT_CONFIG = 0, 1, 78
+DEFAULT_CONFIG = "/etc/engined/fleet.yaml"
+
+
+class DaemonCommand(enum.Enum):
+    SHUTDOWN = "shutdown"
+    RELOAD = "reload"
+
+
+class Daemon:
+    def __init__(self, spec: FleetSpec, config_path: str, runtime_dir: Path,
+                 log_dir: Path) -> None:
+        self.spec = spec
+        self.config_path = config_path
+        self.runtime_dir = runtime_dir
+        self.log_dir = log_dir
+        self.commands: asyncio.Queue[DaemonCommand] = asyncio.Queue()
+        self.shutdown_requests = 0
+        self.fleet: Fleet | None = None
+        self.channels: EngineChannels | None = None
+
+    def dispatch(self, command: DaemonCommand) -> None:
+        """The one entry for signals (via the loop's signal handlers) and control requests."""
+        self.commands.put_nowait(command)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.dispatch, DaemonCommand.SHUTDOWN)
+        loop.add_signal_handler(signal.SIGHUP, self.dispatch, DaemonCommand.RELOAD)
+        self.channels = EngineChannels(str(self.runtime_dir), self._on_control)
+        self.fleet = Fleet(self.spec, self._make_handle_factory(loop))
+        self.channels.start()
+        runner = await self._serve_control()
+        self.fleet.start()
+        log.info("[start] engined %s pid %d: %d engines from %s", __version__, os.getpid(),
+                 len(self.fleet.handles), self.config_path)
+        try:
+            await self._command_loop()
+        finally:
+            await self._shutdown(runner)
+        return EXIT_OK
+
+    def _on_control(self, msg):
+        return self.fleet.on_control(msg) if self.fleet else "unknown_engine"
+
+    def _make_handle_factory(self, loop: asyncio.AbstractEventLoop):
+        assert self.channels is not None
+        channels = self.channels
+        deps = HandleDeps(
+            loop=loop, launcher=ExecLauncher(loop), log_dir=self.log_dir,
+            control_endpoint=channels.control_endpoint,
+            request_endpoint=channels.request_endpoint,
+            heartbeat_interval_s=self.spec.supervisor.heartbeat_interval_s,
+            heartbeat_timeout_s=self.spec.supervisor.heartbeat_timeout_s,
+            on_exit=lambda h, inc: channels.fail_engine(h.name, inc, "exited"),
+            on_state=lambda h, old, new: None)
+        return lambda engine_spec: EngineHandle(engine_spec, deps)
+
+    async def _serve_control(self) -> web.AppRunner:
+        assert self.fleet is not None and self.channels is not None
+        ctx = ControlContext(self.fleet, self.channels, self.config_path)
+        runner = web.AppRunner(make_app(ctx), handle_signals=False, access_log=None)
+        await runner.setup()
+        path = Path(self.spec.supervisor.control_socket or self.runtime_dir / "control.sock")
+        path.unlink(missing_ok=True)  # stale from a dead daemon; we hold the lock
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window with looser modes
+        try:
+            await web.UnixSite(runner, str(path)).start()
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        log.info("[control] listening on %s", path)
+        return runner
+
+    async def _command_loop(self) -> None:
+        while True:
+            command = await self.commands.get()
+            if command is DaemonCommand.SHUTDOWN:
+                self.shutdown_requests += 1
+                if self.shutdown_requests == 1:
+                    return
+            elif command is DaemonCommand.RELOAD:
+                log.warning("[reload] reload is not supported by this version; ignoring SIGHUP")
+
+    async def _shutdown(self, runner: web.AppRunner) -> None:
+        assert self.fleet is not None and self.channels is not None
+        log.info("[shutdown] stopping %d engines", len(self.fleet.handles))
+        started = time.monotonic()
+        second_signal = asyncio.ensure_future(self._second_shutdown_signal())
+        try:
+            await self.fleet.shutdown()
+        finally:
+            second_signal.cancel()
+        await runner.cleanup()
+        await self.channels.close()
+        log.info("[shutdown] done in %.2fs", time.monotonic() - started)
+
+    async def _second_shutdown_signal(self) -> None:
+        """While stopping gracefully, a second SIGTERM/SIGINT kills what is left at once."""
+        assert self.fleet is not None
+        while True:
+            command = await self.commands.get()
+            if command is DaemonCommand.SHUTDOWN:
+                log.warning("[shutdown] second signal: killing remaining engines now")
+                self.fleet.kill_all_now()
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="engined",
+                                     description="Supervise a fleet of ML engine-core processes.")
+    parser.add_argument("-c", "--config", default=os.environ.get("ENGINED_CONFIG_FILE",
+                                                                 DEFAULT_CONFIG),
+                        help=f"fleet spec (YAML); default {DEFAULT_CONFIG}")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the spec, print the resolved fleet and exit (0 or 78)")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--version", action="version", version=f"engined {__version__}")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        spec = load_fleet(args.config)
+    except SpecError as exc:
+        print(f"engined: invalid fleet spec:\n{exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.check:
+        print(format_fleet(spec))
+        return EXIT_OK
+    runtime_dir = resolve_runtime_dir(spec.supervisor.runtime_dir)
+    lock = RuntimeLock(runtime_dir)
+    try:
+        prepare_runtime_dir(runtime_dir)
+        lock.acquire()
+    except (RuntimeError_, OSError) as exc:
+        print(f"engined: {exc}", file=sys.stderr)
+        return EXIT_FATAL
+    log_dir = resolve_log_dir(spec.supervisor.log_dir, runtime_dir)
+    try:
+        return asyncio.run(Daemon(spec, os.path.abspath(args.config), runtime_dir, log_dir).run())
+    finally:
+        lock.release()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The fleet: every engine handle, name resolution (replica, group, `all`), commands, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from engine import protocol as proto
+from supervisor.handle import Desired, EngineHandle, HandleDeps
+from supervisor.ipc import EngineChannels, RequestFailed
+from supervisor.spec import FleetSpec
+from supervisor.state import EngineState
+
+log = logging.getLogger("engined.fleet")
+
+
+class UnknownEngine(KeyError):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"unknown engine {self.name!r}"
+
+
+class NoEngineReady(Exception):
+    pass
+
+
+class Fleet:
+    def __init__(self, spec: FleetSpec,
+                 make_handle: Callable[[object], EngineHandle]) -> None:
+        self.spec = spec
+        self.handles: dict[str, EngineHandle] = {e.name: make_handle(e) for e in spec.engines}
+        self._rr = 0
+
+    # --- lookup ------------------------------------------------------------------------------
+    def groups(self) -> dict[str, list[EngineHandle]]:
+        groups: dict[str, list[EngineHandle]] = {}
+        for handle in self.handles.values():
+            groups.setdefault(handle.spec.group, []).append(handle)
+        return groups
+
+    def resolve(self, name: str) -> list[EngineHandle]:
+        """A replica name, a group name, or `all`; raises UnknownEngine."""
+        if name == "all":
+            return list(self.handles.values())
+        if name in self.handles:
+            return [self.handles[name]]
+        members = self.groups().get(name)
+        if not members:
+            raise UnknownEngine(name)
+        return members
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        for handle in self.handles.values():
+            handle.start_supervising()
+
+    async def shutdown(self, deadline_s: float | None = None) -> None:
+        """Stop every engine in parallel under one shared deadline."""
+        handles = list(self.handles.values())
+        budget = deadline_s if deadline_s is not None else max(
+            (h.spec.stop_timeout_s for h in handles), default=0.0)
+        deadline = time.monotonic() + budget
+        for handle in handles:
+            handle.stop(deadline=deadline)
+        await asyncio.gather(*(h.wait_for(_is_down, budget + 10.0) for h in handles))
+        await asyncio.gather(*(h.close() for h in handles))
+
+    def kill_all_now(self) -> None:
+        for handle in self.handles.values():
+            handle.kill_now()
+
+    # --- messages ----------------------------------------------------------------------------
+    def on_control(self, msg: proto.ControlMessage) -> str | None:
+        handle = self.handles.get(msg.engine)
+        if handle is None:
+            return "unknown_engine"
+        return None if handle.on_control(msg) else "stale"
+
+    def pick_engine(self, name: str | None, channels: EngineChannels) -> EngineHandle:
+        """A READY replica, the least loaded first, round-robin among equals."""
+        candidates = self.resolve(name) if name else list(self.handles.values())
+        ready = [h for h in candidates if h.state is EngineState.READY]
+        if not ready:
+            raise NoEngineReady(f"no READY engine{' in ' + repr(name) if name else ''}")
+        self._rr += 1
+        ready.sort(key=lambda h: channels.in_flight(h.name))
+        least = [h for h in ready if channels.in_flight(h.name) == channels.in_flight(ready[0].name)]
+        return least[self._rr % len(least)]
+
+    async def generate(self, channels: EngineChannels, prompt: str, max_tokens: int,
+                       engine: str | None, timeout_s: float) -> proto.GenerateResult:
+        handle = self.pick_engine(engine, channels)
+        return await channels.generate(handle.name, handle.incarnation, prompt, max_tokens,
+                                       timeout_s)
+
+    # --- views -------------------------------------------------------------------------------
+    def counts(self) -> tuple[int, int]:
+        """(READY engines, engines that should run)."""
+        wanted = [h for h in self.handles.values() if h.desired is Desired.RUN]
+        return sum(1 for h in wanted if h.state is EngineState.READY), len(wanted)
+
+
+def _is_down(handle: EngineHandle) -> bool:
+    return handle.state in (EngineState.STOPPED, EngineState.FAILED) and (
+        handle.child is None or not handle.child.alive)
+
+
+__all__ = ["Fleet", "UnknownEngine", "NoEngineReady", "RequestFailed", "HandleDeps"]

@@ -1,0 +1,172 @@
+"""The daemon's side of the engine channels (ZeroMQ, bound here so children never race for ports).
+
+* control: PULL, receives Hello/Progress/Ready/Heartbeat/Goodbye from every child.
+* requests: ROUTER, sends GenerateRequest to one child by routing identity and resolves the
+  matching future when its GenerateResult comes back.
+
+Malformed frames, unknown engines and stale incarnations are dropped, counted by kind and logged
+(rate-limited); they never change engine state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+from typing import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine import protocol as proto
+
+log = logging.getLogger("engined.ipc")
+
+_LOG_EVERY_S = 5.0
+
+
+class RequestFailed(Exception):
+    """A generate request could not be served (engine gone, unreachable, or it reported an error)."""
+
+
+class EngineChannels:
+    def __init__(self, runtime_dir: str,
+                 on_control: Callable[[proto.ControlMessage], str | None]) -> None:
+        self.control_endpoint = f"ipc://{runtime_dir}/engines-control.sock"
+        self.request_endpoint = f"ipc://{runtime_dir}/engines-requests.sock"
+        self.on_control = on_control  # returns None if applied, else a drop reason
+        self.ctx = zmq.asyncio.Context()
+        self.control = self._bind(zmq.PULL, self.control_endpoint)
+        self.requests = self._bind(zmq.ROUTER, self.request_endpoint)
+        self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error, not a drop
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.routes: set[bytes] = set()
+        self._pending: dict[str, tuple[str, int, asyncio.Future[proto.GenerateResult]]] = {}
+        self._last_log = 0.0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _bind(self, kind: int, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Bound frames: a hostile or corrupt sender cannot make us allocate without limit.
+        sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)
+        sock.bind(endpoint)
+        return sock
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read_control(), name="ipc:control"),
+                       loop.create_task(self._read_results(), name="ipc:requests")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for _, _, future in self._pending.values():
+            if not future.done():
+                future.set_exception(RequestFailed("engined is shutting down"))
+        self.control.close(linger=0)
+        self.requests.close(linger=0)
+        self.ctx.term()
+
+    # --- control channel ---------------------------------------------------------------------
+    async def _read_control(self) -> None:
+        while True:
+            frames = await self.control.recv_multipart()
+            if len(frames) != 1:
+                self._drop("malformed", f"{len(frames)}-part control message")
+                continue
+            try:
+                msg = proto.decode_control(frames[0])
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._drop("malformed", str(exc))
+                continue
+            reason = self.on_control(msg)
+            if reason is not None:
+                self._drop(reason, f"{type(msg).__name__} for {msg.engine!r} "
+                                   f"incarnation {msg.incarnation}")
+
+    def _drop(self, kind: str, detail: str) -> None:
+        self.dropped[kind] += 1
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_EVERY_S:
+            self._last_log = now
+            log.warning("[ipc] dropped %s message: %s (dropped so far: %s)", kind, detail[:200],
+                        dict(self.dropped))
+
+    # --- request channel ---------------------------------------------------------------------
+    async def _read_results(self) -> None:
+        while True:
+            frames = await self.requests.recv_multipart()
+            if len(frames) != 2:
+                self._drop("malformed", f"{len(frames)}-part request-channel message")
+                continue
+            identity, frame = frames
+            if not frame:  # a child's first, empty frame: it announces its routing identity
+                self.routes.add(identity)
+                continue
+            try:
+                msg = proto.decode_request(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._drop("malformed", str(exc))
+                continue
+            self._resolve(identity, msg)
+
+    def _resolve(self, identity: bytes, msg: proto.RequestMessage) -> None:
+        if not isinstance(msg, proto.GenerateResult):
+            self._drop("unexpected", f"{type(msg).__name__} from {identity!r}")
+            return
+        entry = self._pending.get(msg.id)
+        if entry is None or identity != _route(entry[0], entry[1]):
+            self._drop("stale", f"result {msg.id!r} from {identity!r}")
+            return
+        future = entry[2]
+        if not future.done():
+            future.set_result(msg)
+
+    async def generate(self, engine: str, incarnation: int, prompt: str, max_tokens: int,
+                       timeout_s: float) -> proto.GenerateResult:
+        request = proto.GenerateRequest(uuid.uuid4().hex, prompt, max_tokens)
+        future: asyncio.Future[proto.GenerateResult] = asyncio.get_running_loop().create_future()
+        self._pending[request.id] = (engine, incarnation, future)
+        try:
+            await self._send(_route(engine, incarnation), proto.encode(request))
+            result = await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestFailed(f"{engine} did not answer within {timeout_s:g}s") from None
+        finally:
+            self._pending.pop(request.id, None)
+        if result.error is not None:
+            raise RequestFailed(f"{engine}: {result.error}")
+        return result
+
+    async def _send(self, identity: bytes, frame: bytes) -> None:
+        # The child announces itself before READY, but the two channels are not ordered with
+        # respect to each other: give a just-READY child a moment to be routable.
+        for _ in range(50):
+            try:
+                await self.requests.send_multipart([identity, frame], flags=zmq.NOBLOCK)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise RequestFailed(f"cannot send to {identity.decode()}: {exc}") from None
+                await asyncio.sleep(0.01)
+        raise RequestFailed(f"{identity.decode()} is not connected")
+
+    def fail_engine(self, engine: str, incarnation: int, reason: str) -> None:
+        """The engine's incarnation is gone: fail its in-flight requests now, not at timeout."""
+        self.routes.discard(_route(engine, incarnation))
+        for name, inc, future in list(self._pending.values()):
+            if name == engine and inc == incarnation and not future.done():
+                future.set_exception(RequestFailed(f"{engine} {reason}"))
+
+    def in_flight(self, engine: str) -> int:
+        return sum(1 for name, _, _ in self._pending.values() if name == engine)
+
+
+def _route(engine: str, incarnation: int) -> bytes:
+    return f"{engine}:{incarnation}".encode()

@@ -1,0 +1,133 @@
+"""Starting engine children: one small interface, one exec-based implementation.
+
+A launcher turns a resolved EngineConfig into a running child and hands back a `Child`: its pid,
+the read end of its output pipe, and a future that resolves when it exits. Death is detected by
+event (a pidfd registered with the event loop), never by polling. A faster launcher (a preloaded
+fork server) can replace `ExecLauncher` without touching the lifecycle code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Protocol
+
+from engine.protocol import ENV_CONFIG, ENV_PARENT_PID, EngineConfig, encode_config
+from supervisor.policy import ExitStatus
+
+# Never let a child see the daemon's systemd plumbing: a child writing to NOTIFY_SOCKET would
+# confuse systemd, and WATCHDOG_* would make it think it is the watched process.
+_STRIPPED_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
+                 "LISTEN_FDNAMES", "ENGINED_SOCKET")
+_SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class ExitRecord:
+    status: ExitStatus
+    at_monotonic: float
+    at_wall: float
+
+
+@dataclass
+class Child:
+    pid: int
+    output_fd: int  # read end of the child's stdout+stderr pipe (the caller owns it)
+    exited: asyncio.Future[ExitRecord]
+    spawned_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def alive(self) -> bool:
+        return not self.exited.done()
+
+    def signal_group(self, sig: int) -> bool:
+        """Signal the child's whole process group; False if it is already gone."""
+        try:
+            os.killpg(self.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+
+class Launcher(Protocol):
+    def spawn(self, config: EngineConfig, env: Mapping[str, str]) -> Child: ...
+
+
+def child_environment(config: EngineConfig, extra: Mapping[str, str]) -> dict[str, str]:
+    """The child's environment: ours minus systemd plumbing, plus GPU pinning and thread bounds."""
+    env = {k: v for k, v in os.environ.items() if k not in _STRIPPED_ENV}
+    threads = str(config.threads)
+    env.update({
+        "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+        "OPENBLAS_NUM_THREADS": threads, "ENGINED_NUM_THREADS": threads,
+        "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    })
+    env.update(extra)
+    # Set before the interpreter starts, so before any CUDA call. No GPUs: hide them all, so a
+    # CPU engine can never initialise CUDA on GPU 0 by accident.
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in config.gpus)
+    env[ENV_CONFIG] = encode_config(config)
+    env[ENV_PARENT_PID] = str(os.getpid())
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
+class ExecLauncher:
+    """posix_spawn a fresh interpreter running `python -m engine` in its own session.
+
+    Called from the event-loop thread only: PR_SET_PDEATHSIG in the child is tied to the thread
+    that spawned it, and the loop thread lives as long as the daemon.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, python: str = sys.executable) -> None:
+        self.loop = loop
+        self.argv = [python, "-m", "engine"]
+
+    def spawn(self, config: EngineConfig, env: Mapping[str, str]) -> Child:
+        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid = os.posix_spawn(self.argv[0], self.argv, child_environment(config, env),
+                                 file_actions=[
+                                     (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                                     (os.POSIX_SPAWN_DUP2, write_fd, 1),
+                                     (os.POSIX_SPAWN_DUP2, write_fd, 2)],
+                                 setsid=True)
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        os.set_blocking(read_fd, False)
+        return Child(pid, read_fd, watch_exit(self.loop, pid))
+
+
+def watch_exit(loop: asyncio.AbstractEventLoop, pid: int) -> asyncio.Future[ExitRecord]:
+    """A future resolved (and the zombie reaped) the moment `pid` exits, via its pidfd."""
+    future: asyncio.Future[ExitRecord] = loop.create_future()
+    pidfd = os.pidfd_open(pid)
+
+    def on_exit() -> None:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere; should not happen, but never hang on it
+            done, status = pid, 0
+        if done == 0:
+            return
+        record = ExitRecord(ExitStatus.from_wait_status(status), time.monotonic(), time.time())
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        if not future.done():
+            future.set_result(record)
+
+    loop.add_reader(pidfd, on_exit)
+    return future
+
+
+def kill_group_now(child: Child) -> None:
+    """SIGKILL the child's group; used for hangs and for a second shutdown signal."""
+    child.signal_group(signal.SIGKILL)

@@ -1,0 +1,186 @@
+"""Per-engine log capture: the child's fd 1 and 2 (a pipe) into a size-rotated file.
+
+The pipe is read by the event loop, so everything the child's process writes at the fd level
+(C libraries, CUDA errors, a segfault's message) is kept. A ring of recent lines gives the tail
+kept with each unexpected exit, and `enginectl logs -f` followers get lines as they arrive. A log
+file that cannot be written (full disk, permissions) never stops supervision: lines still reach
+the ring and followers, and the file is retried a second later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import time
+from pathlib import Path
+
+log = logging.getLogger("engined.logs")
+
+DEFAULT_MAX_BYTES = 10 * 1024 * 1024
+DEFAULT_BACKUPS = 3
+TAIL_LINES = 500
+_RETRY_S = 1.0
+_MAX_LINE = 16 * 1024
+
+
+class LogSink:
+    """One engine's log: file with rotation, a line ring, and live followers."""
+
+    def __init__(self, path: Path, max_bytes: int = DEFAULT_MAX_BYTES,
+                 backups: int = DEFAULT_BACKUPS) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.ring: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.lines_total = 0  # lines ever seen, so an incarnation can find its own tail
+        self.write_errors = 0
+        self.followers: set[asyncio.Queue[str | None]] = set()
+        self._partial = b""
+        self._file: int | None = None
+        self._size = 0
+        self._retry_at = 0.0
+
+    # --- input -------------------------------------------------------------------------------
+    def feed(self, data: bytes) -> None:
+        self._write_file(data)
+        chunks = (self._partial + data).split(b"\n")
+        self._partial = chunks.pop()
+        if len(self._partial) > _MAX_LINE:  # a child writing without newlines: cut, keep going
+            chunks.append(self._partial)
+            self._partial = b""
+        for raw in chunks:
+            self._add_line(raw.decode("utf-8", "replace"))
+
+    def flush_partial(self) -> None:
+        if self._partial:
+            self._add_line(self._partial.decode("utf-8", "replace"))
+            self._partial = b""
+
+    def note(self, line: str) -> None:
+        """A line from the supervisor itself (spawn, exit), so the file tells the whole story."""
+        stamped = f"[engined {time.strftime('%Y-%m-%dT%H:%M:%S')}] {line}\n"
+        self.feed(stamped.encode())
+
+    def _add_line(self, line: str) -> None:
+        self.ring.append(line)
+        self.lines_total += 1
+        for queue in self.followers:
+            if queue.qsize() < 10_000:  # a stuck follower must not grow without bound
+                queue.put_nowait(line)
+
+    # --- reading -----------------------------------------------------------------------------
+    def tail_since(self, mark: int, limit: int) -> list[str]:
+        """The last `limit` lines written after `mark` (a previous `lines_total`)."""
+        fresh = min(self.lines_total - mark, len(self.ring))
+        lines = list(self.ring)[len(self.ring) - fresh:] if fresh > 0 else []
+        return lines[-limit:]
+
+    def last_lines(self, count: int) -> list[str]:
+        """The last `count` lines, read from the file (and its backup) when the ring is short."""
+        if count <= len(self.ring):
+            return list(self.ring)[len(self.ring) - count:] if count else []
+        lines: list[str] = []
+        for path in (self.path.with_name(self.path.name + ".1"), self.path):
+            try:
+                lines.extend(path.read_text("utf-8", "replace").splitlines())
+            except OSError:
+                continue
+        return lines[-count:] if lines else list(self.ring)[-count:]
+
+    def follow(self) -> asyncio.Queue[str | None]:
+        queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self.followers.add(queue)
+        return queue
+
+    def unfollow(self, queue: asyncio.Queue[str | None]) -> None:
+        self.followers.discard(queue)
+
+    # --- file --------------------------------------------------------------------------------
+    def _write_file(self, data: bytes) -> None:
+        if self._file is None and not self._open():
+            return
+        try:
+            if self._size + len(data) > self.max_bytes:
+                self._rotate()
+            os.write(self._file, data)
+            self._size += len(data)
+        except OSError as exc:
+            self._fail(exc)
+
+    def _open(self) -> bool:
+        now = time.monotonic()
+        if now < self._retry_at:
+            return False
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                                 0o640)
+            self._size = os.fstat(self._file).st_size
+            return True
+        except OSError as exc:
+            self._fail(exc)
+            return False
+
+    def _rotate(self) -> None:
+        self._close()
+        for index in range(self.backups, 0, -1):
+            src = self.path if index == 1 else self.path.with_name(f"{self.path.name}.{index - 1}")
+            if src.exists():
+                os.replace(src, self.path.with_name(f"{self.path.name}.{index}"))
+        self._open()
+        if self._file is None:
+            raise OSError(f"cannot reopen {self.path} after rotation")
+
+    def _fail(self, exc: OSError) -> None:
+        self.write_errors += 1
+        if self.write_errors == 1 or self.write_errors % 1000 == 0:
+            log.warning("[logs] cannot write %s: %s (supervision continues; %d errors)",
+                        self.path, exc, self.write_errors)
+        self._close()
+        self._retry_at = time.monotonic() + _RETRY_S
+
+    def _close(self) -> None:
+        if self._file is not None:
+            try:
+                os.close(self._file)
+            except OSError:
+                pass
+            self._file = None
+
+    def close(self) -> None:
+        self.flush_partial()
+        for queue in self.followers:
+            queue.put_nowait(None)
+        self._close()
+
+
+class PipeReader:
+    """Reads a child's output pipe from the event loop into a LogSink until EOF."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, sink: LogSink) -> None:
+        self.loop, self.fd, self.sink = loop, fd, sink
+        self.closed = False
+        loop.add_reader(fd, self.drain)
+
+    def drain(self) -> None:
+        """Read everything available now; called on readability and once more at child exit."""
+        while not self.closed:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.close()
+                return
+            self.sink.feed(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.sink.flush_partial()

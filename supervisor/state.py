@@ -1,0 +1,40 @@
+"""Engine lifecycle states and the only transitions allowed between them."""
+
+from __future__ import annotations
+
+import enum
+
+
+class EngineState(enum.Enum):
+    STOPPED = "STOPPED"
+    STARTING = "STARTING"
+    READY = "READY"
+    STOPPING = "STOPPING"
+    BACKOFF = "BACKOFF"
+    FAILED = "FAILED"
+
+
+class IllegalTransition(RuntimeError):
+    def __init__(self, old: EngineState, new: EngineState) -> None:
+        super().__init__(f"illegal engine state transition {old.value} -> {new.value}")
+        self.old, self.new = old, new
+
+
+_S = EngineState
+# STARTING/READY -> STOPPED/BACKOFF/FAILED directly: the child exited by itself (crash, exit 78).
+# STOPPING -> STOPPED/BACKOFF/FAILED: we killed it (stop, hang, stall, startup timeout, group).
+TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
+    _S.STOPPED: frozenset({_S.STARTING}),
+    _S.STARTING: frozenset({_S.READY, _S.STOPPING, _S.BACKOFF, _S.FAILED, _S.STOPPED, _S.STARTING}),
+    _S.READY: frozenset({_S.STOPPING, _S.BACKOFF, _S.FAILED, _S.STOPPED, _S.STARTING}),
+    _S.STOPPING: frozenset({_S.STOPPED, _S.BACKOFF, _S.FAILED, _S.STARTING}),
+    _S.BACKOFF: frozenset({_S.STARTING, _S.STOPPED, _S.FAILED}),
+    _S.FAILED: frozenset({_S.STARTING, _S.STOPPED}),
+}
+
+
+def check_transition(old: EngineState, new: EngineState) -> EngineState:
+    """Return `new` if old -> new is allowed, else raise IllegalTransition naming both."""
+    if new not in TRANSITIONS[old]:
+        raise IllegalTransition(old, new)
+    return new
