@@ -163,7 +163,7 @@ class EngineCoreProc:
         self.running = len(batch)
         started = time.monotonic()
         try:
-            completions = self.model.generate([req for req, _ in batch])
+            completions = self.model.generate([req for req, _ in batch], self._stamp)
         finally:
             self.running = 0
         compute_s = time.monotonic() - started
@@ -172,6 +172,10 @@ class EngineCoreProc:
                         completion_tokens=done.completion_tokens, batch_size=len(batch),
                         queue_s=started - queued_at, compute_s=compute_s)
             self.requests_ok += 1
+
+    def _stamp(self) -> None:
+        """Progress inside a long step (per token), so only a really stuck loop looks stalled."""
+        self.last_iteration_at = time.monotonic()
 
     def shutdown(self, reason: str) -> None:
         """The `finally`: stop heartbeats, free the model, report what was freed, close sockets."""

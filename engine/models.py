@@ -40,7 +40,9 @@ class Model(Protocol):
     device: str
     dtype: str
 
-    def generate(self, batch: list[GenerateRequest]) -> list[Completion]: ...
+    def generate(self, batch: list[GenerateRequest],
+                 on_token: Callable[[], None] = ...) -> list[Completion]:
+        """Run one batch; call `on_token` after each generated token (busy-loop progress)."""
 
     def gpu_memory(self) -> list[GpuMemory]: ...
 
@@ -51,10 +53,11 @@ def build_model(config: EngineConfig, progress: ProgressFn) -> Model:
     """Dispatch on the model source; heavy imports happen only in the branch that needs them."""
     if config.model == "builtin:echo":
         return EchoModel.build(progress)
-    if config.model.startswith("builtin:"):
+    if config.model.startswith("builtin:") and config.model != "builtin:tiny-llama":
         raise EngineConfigError(f"unknown builtin model {config.model!r}")
-    raise EngineConfigError(
-        f"model {config.model!r}: only builtin:echo is available in this build")
+    from engine.llm import build_hf_model  # torch and transformers load here, in the child only
+
+    return build_hf_model(config, progress)
 
 
 class EchoModel:
@@ -78,7 +81,8 @@ class EchoModel:
         progress("warmup", "")
         return cls(float(os.environ.get("ENGINED_ECHO_TOKEN_MS", "0")) / 1000.0)
 
-    def generate(self, batch: list[GenerateRequest]) -> list[Completion]:
+    def generate(self, batch: list[GenerateRequest],
+                 on_token: Callable[[], None] = lambda: None) -> list[Completion]:
         for req in batch:
             if req.prompt.startswith("!stall"):
                 while True:  # a wedged kernel: the loop stops progressing, heartbeats go on
@@ -86,8 +90,9 @@ class EchoModel:
             if req.prompt.startswith("!raise"):
                 raise RuntimeError("echo engine raised on request (!raise)")
         longest = max(min(req.max_tokens, len(req.prompt)) for req in batch)
-        if self.token_s:
-            time.sleep(self.token_s * longest)
+        for _ in range(longest if self.token_s else 0):
+            time.sleep(self.token_s)
+            on_token()
         return [Completion(req.prompt[: req.max_tokens], len(req.prompt),
                            min(req.max_tokens, len(req.prompt))) for req in batch]
 

@@ -1,0 +1,193 @@
+"""Pure tables for supervisor.policy and supervisor.state: `now` is passed in, nothing sleeps."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from supervisor.policy import (Action, ExitStatus, FailureHistory, Liveness, Reason,
+                               backoff_delay, check_liveness, decide, exit_reason)
+from supervisor.spec import BackoffSpec, StartLimitSpec
+from supervisor.state import EngineState, IllegalTransition, check_transition
+
+BACKOFF = BackoffSpec(initial_s=1.0, max_s=30.0, factor=2.0, jitter=0.1, reset_after_s=60.0)
+LIMIT = StartLimitSpec(burst=5, interval_s=120.0)
+KILLED = ExitStatus(signal=signal.SIGKILL)
+
+
+@pytest.mark.parametrize("status, killed_for, reason", [
+    (ExitStatus(code=0), None, Reason.EXIT),
+    (ExitStatus(code=1), None, Reason.EXIT),
+    (ExitStatus(code=78), None, Reason.EXIT),
+    (ExitStatus(code=143), None, Reason.SIGNAL),  # SIGTERM, after cleanup
+    (ExitStatus(signal=signal.SIGKILL), None, Reason.SIGNAL),
+    (ExitStatus(signal=signal.SIGSEGV), None, Reason.SIGNAL),
+    (ExitStatus(signal=signal.SIGKILL), Reason.HANG, Reason.HANG),
+    (ExitStatus(signal=signal.SIGKILL), Reason.STALL, Reason.STALL),
+    (ExitStatus(code=0), Reason.STARTUP_TIMEOUT, Reason.STARTUP_TIMEOUT),
+])
+def test_exit_reason(status, killed_for, reason):
+    assert exit_reason(status, killed_for) is reason
+
+
+@pytest.mark.parametrize("status, name, text", [
+    (ExitStatus(code=143), "SIGTERM", "exit 143 (terminated by SIGTERM after cleanup)"),
+    (ExitStatus(signal=9), "SIGKILL", "killed by SIGKILL (out of memory? check the kernel log)"),
+    (ExitStatus(signal=11), "SIGSEGV", "killed by SIGSEGV"),
+    (ExitStatus(code=78), None, "exit 78 (invalid engine config or model)"),
+    (ExitStatus(code=3), None, "exit 3"),
+])
+def test_exit_description(status, name, text):
+    assert status.signal_name == name
+    assert status.describe() == text
+
+
+def test_our_own_sigkill_has_no_oom_hint():
+    assert KILLED.describe(unexpected=False) == "killed by SIGKILL"
+
+
+def test_wait_status_decoding():
+    import os
+    assert ExitStatus.from_wait_status(0) == ExitStatus(code=0)
+    assert ExitStatus.from_wait_status(78 << 8) == ExitStatus(code=78)
+    assert ExitStatus.from_wait_status(signal.SIGKILL) == ExitStatus(signal=9)
+    assert os.WIFSIGNALED(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("consecutive, jitter_unit, delay", [
+    (0, 0.0, 0.0),
+    (1, 0.0, 0.0),  # the first restart after a stable run is immediate
+    (1, 1.0, 0.0),
+    (2, 0.0, 1.0),
+    (3, 0.0, 2.0),
+    (4, 0.0, 4.0),
+    (6, 0.0, 16.0),
+    (7, 0.0, 30.0),  # capped
+    (50, 0.0, 30.0),
+    (10_000, 0.0, 30.0),  # no overflow
+    (2, 1.0, 1.1),
+    (2, -1.0, 0.9),
+    (7, 1.0, 33.0),  # jitter applies after the cap
+    (3, 5.0, 2.2),  # jitter unit clamped to [-1, 1]
+])
+def test_backoff_delay(consecutive, jitter_unit, delay):
+    assert backoff_delay(consecutive, BACKOFF, jitter_unit) == pytest.approx(delay)
+
+
+def test_backoff_factor_one_is_constant():
+    flat = BackoffSpec(initial_s=2.0, max_s=30.0, factor=1.0, jitter=0.0, reset_after_s=60.0)
+    assert [backoff_delay(k, flat, 0.0) for k in (1, 2, 3, 9)] == [0.0, 2.0, 2.0, 2.0]
+
+
+def _decide(now, status, history=FailureHistory(), ready_since=None, restart="always",
+            reason=None, limit=LIMIT):
+    return decide(now, restart, status, reason or exit_reason(status), history, ready_since,
+                  BACKOFF, limit, 0.0)
+
+
+@pytest.mark.parametrize("restart, status, action", [
+    ("always", ExitStatus(code=0), Action.RESTART),
+    ("on-failure", ExitStatus(code=0), Action.STOP),
+    ("never", ExitStatus(code=0), Action.STOP),
+    ("always", KILLED, Action.RESTART),
+    ("on-failure", KILLED, Action.RESTART),
+    ("on-failure", ExitStatus(code=143), Action.RESTART),  # external SIGTERM is a failure
+    ("never", KILLED, Action.FAIL),
+    ("always", ExitStatus(code=78), Action.FAIL),  # invalid config: no restart loop
+    ("on-failure", ExitStatus(code=78), Action.FAIL),
+])
+def test_restart_modes(restart, status, action):
+    decision, _ = _decide(100.0, status, restart=restart)
+    assert decision.action is action
+
+
+def test_clean_exit_does_not_count_as_failure():
+    decision, history = _decide(100.0, ExitStatus(code=0))
+    assert (decision.action, decision.delay_s, history) == (Action.RESTART, 0.0, FailureHistory())
+
+
+def test_hang_kill_with_code_zero_is_still_a_failure():
+    decision, history = _decide(100.0, ExitStatus(code=0), reason=Reason.HANG)
+    assert decision.action is Action.RESTART and history.consecutive == 1
+
+
+def test_consecutive_failures_back_off_then_fail_at_start_limit():
+    history, delays, now = FailureHistory(), [], 1000.0
+    for _ in range(5):
+        decision, history = _decide(now, KILLED, history)
+        assert decision.action is Action.RESTART
+        delays.append(decision.delay_s)
+        now += decision.delay_s + 0.1
+    assert delays == [0.0, 1.0, 2.0, 4.0, 8.0]
+    decision, history = _decide(now, KILLED, history)
+    assert decision.action is Action.FAIL and "start limit" in decision.why
+
+
+def test_failures_outside_the_window_do_not_count():
+    limit = StartLimitSpec(burst=2, interval_s=10.0)
+    history = FailureHistory(consecutive=2, failure_times=(0.0, 1.0))
+    decision, history = _decide(20.0, KILLED, history, limit=limit)
+    assert decision.action is Action.RESTART
+    assert history.failure_times == (20.0,)
+
+
+def test_stable_ready_run_resets_the_streak():
+    history = FailureHistory(consecutive=4, failure_times=(0.0, 1.0, 3.0, 7.0))
+    decision, history = _decide(200.0, KILLED, history, ready_since=100.0)  # READY for 100 s
+    assert decision.delay_s == 0.0 and history.consecutive == 1
+
+
+def test_short_ready_run_keeps_the_streak():
+    history = FailureHistory(consecutive=2, failure_times=(0.0, 1.0))
+    decision, history = _decide(30.0, KILLED, history, ready_since=20.0)  # READY for 10 s < 60 s
+    assert decision.delay_s == 2.0 and history.consecutive == 3
+
+
+def _live(**overrides):
+    base = dict(starting=False, spawned_at=0.0, startup_timeout_s=600.0, last_heartbeat_at=100.0,
+                heartbeat_timeout_s=10.0, last_iteration_at=100.0, work_queued=False,
+                stall_timeout_s=60.0)
+    base.update(overrides)
+    return Liveness(**base)
+
+
+@pytest.mark.parametrize("now, live, reason, next_at", [
+    (5.0, _live(starting=True), None, 600.0),
+    (600.0, _live(starting=True), Reason.STARTUP_TIMEOUT, 600.0),
+    (105.0, _live(), None, 110.0),
+    (110.0, _live(), Reason.HANG, 110.0),
+    # idle engine: an old loop stamp is fine when nothing is queued
+    (150.0, _live(last_heartbeat_at=149.0, last_iteration_at=0.0), None, 159.0),
+    # work queued and the loop stopped: stall, even though heartbeats flow
+    (165.0, _live(last_heartbeat_at=164.5, last_iteration_at=100.0, work_queued=True),
+     Reason.STALL, 160.0),
+    (130.0, _live(last_heartbeat_at=129.0, last_iteration_at=100.0, work_queued=True),
+     None, 139.0),
+    (105.0, _live(last_heartbeat_at=104.0, last_iteration_at=100.0, work_queued=True,
+                  stall_timeout_s=2.0), Reason.STALL, 102.0),
+])
+def test_liveness(now, live, reason, next_at):
+    assert check_liveness(now, live) == (reason, next_at)
+
+
+S = EngineState
+
+
+@pytest.mark.parametrize("old, new", [
+    (S.STOPPED, S.STARTING), (S.STARTING, S.READY), (S.READY, S.STOPPING),
+    (S.STOPPING, S.STOPPED), (S.READY, S.BACKOFF), (S.BACKOFF, S.STARTING),
+    (S.STARTING, S.FAILED), (S.FAILED, S.STARTING), (S.READY, S.STARTING),
+])
+def test_legal_transitions(old, new):
+    assert check_transition(old, new) is new
+
+
+@pytest.mark.parametrize("old, new", [
+    (S.STOPPED, S.READY), (S.STOPPED, S.FAILED), (S.BACKOFF, S.READY), (S.FAILED, S.READY),
+    (S.STOPPING, S.READY), (S.STOPPED, S.STOPPING),
+])
+def test_illegal_transitions_name_both_states(old, new):
+    with pytest.raises(IllegalTransition) as err:
+        check_transition(old, new)
+    assert old.value in str(err.value) and new.value in str(err.value)
