@@ -83,6 +83,9 @@ class EngineCoreProc:
         self.requests_ok = 0
         self.requests_failed = 0
         self._heartbeat: _HeartbeatThread | None = None
+        # Test-only fault injection for any model (the echo engine always has it).
+        self.faults = (os.environ.get("ENGINED_FAULT_INJECTION") == "1"
+                       or config.model == "builtin:echo")
 
     # --- entry point -------------------------------------------------------------------------
     @staticmethod
@@ -163,6 +166,8 @@ class EngineCoreProc:
         self.running = len(batch)
         started = time.monotonic()
         try:
+            if self.faults:
+                _inject_faults([req for req, _ in batch])
             completions = self.model.generate([req for req, _ in batch], self._stamp)
         finally:
             self.running = 0
@@ -333,6 +338,17 @@ def _exit_reason(code: int, stop: _StopFlag) -> str:
     if stop.set:
         return f"signal {signal.Signals(stop.signum).name}"
     return {proto.EXIT_OK: "clean", proto.EXIT_CONFIG: "config"}.get(code, "exception")
+
+
+def _inject_faults(batch: list[proto.GenerateRequest]) -> None:
+    """`!stall`: the step wedges (the loop stops progressing, heartbeats go on); `!raise`: the
+    busy loop raises. Enabled for builtin:echo and wherever ENGINED_FAULT_INJECTION=1."""
+    for req in batch:
+        if req.prompt.startswith("!stall"):
+            while True:
+                time.sleep(3600)
+        if req.prompt.startswith("!raise"):
+            raise RuntimeError(f"fault injected by request {req.id} (!raise)")
 
 
 def _drain_fd(fd: int) -> None:

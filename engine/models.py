@@ -8,8 +8,8 @@ chaos runs come from the child's environment (set through the spec's `env`):
 * ENGINED_ECHO_FAIL=build      — the build raises (a crash: exit 1, restarted with backoff)
 * ENGINED_ECHO_FAIL=config     — the build reports an invalid config (exit 78, FAILED at once)
 * ENGINED_ECHO_TOKEN_MS=MS     — time per generated token
-* a prompt starting with `!stall` makes the step block forever (the busy loop stops progressing
-  while the heartbeat thread lives on), `!raise` raises inside the busy loop.
+* prompts `!stall` and `!raise` inject faults (see engine.core._inject_faults); for other models
+  set ENGINED_FAULT_INJECTION=1 to enable them.
 """
 
 from __future__ import annotations
@@ -83,12 +83,6 @@ class EchoModel:
 
     def generate(self, batch: list[GenerateRequest],
                  on_token: Callable[[], None] = lambda: None) -> list[Completion]:
-        for req in batch:
-            if req.prompt.startswith("!stall"):
-                while True:  # a wedged kernel: the loop stops progressing, heartbeats go on
-                    time.sleep(3600)
-            if req.prompt.startswith("!raise"):
-                raise RuntimeError("echo engine raised on request (!raise)")
         longest = max(min(req.max_tokens, len(req.prompt)) for req in batch)
         for _ in range(longest if self.token_s else 0):
             time.sleep(self.token_s)

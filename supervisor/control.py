@@ -16,13 +16,13 @@ import struct
 import time
 from typing import Any, Awaitable, Callable
 
-import psutil
 from aiohttp import web
 
 from supervisor import __version__
 from supervisor.fleet import Fleet, NoEngineReady, UnknownEngine
 from supervisor.handle import Desired, EngineHandle
 from supervisor.ipc import EngineChannels, RequestFailed
+from supervisor.sampler import Sample, Sampler
 from supervisor.state import EngineState
 
 log = logging.getLogger("engined.control")
@@ -35,10 +35,11 @@ MAX_PROMPT_CHARS = 32 * 1024
 class ControlContext:
     """What the routes need; built once by the daemon."""
 
-    def __init__(self, fleet: Fleet, channels: EngineChannels, config_path: str,
-                 reload: Callable[[], Awaitable[dict]] | None = None) -> None:
+    def __init__(self, fleet: Fleet, channels: EngineChannels, sampler: Sampler,
+                 config_path: str, reload: Callable[[], Awaitable[dict]] | None = None) -> None:
         self.fleet = fleet
         self.channels = channels
+        self.sampler = sampler
         self.config_path = config_path
         self.reload = reload
         self.started = time.time()
@@ -113,7 +114,9 @@ class _Routes:
                       "uptime_s": round(time.time() - ctx.started, 3),
                       "config": ctx.config_path, "generation": ctx.generation,
                       "ipc_dropped": dict(ctx.channels.dropped)}
-        engines = [engine_status(h) for h in ctx.fleet.handles.values()]
+        handles = list(ctx.fleet.handles.values())
+        sample = await ctx.sampler.sample([h.pid for h in handles if h.pid is not None])
+        engines = [engine_status(h, sample) for h in handles]
         return web.json_response({"supervisor": supervisor, "engines": engines})
 
     async def action(self, request: web.Request) -> web.Response:
@@ -227,8 +230,9 @@ async def _follow(request: web.Request, handle: EngineHandle, head: str) -> web.
     return response
 
 
-def engine_status(handle: EngineHandle) -> dict[str, Any]:
+def engine_status(handle: EngineHandle, sample: Sample) -> dict[str, Any]:
     spec, hb, now = handle.spec, handle.heartbeat, time.monotonic()
+    tree = sample.trees.get(handle.pid) if handle.pid is not None else None
     return {
         "name": handle.name, "group": spec.group, "rank": spec.rank,
         "state": handle.state.value, "desired": handle.desired.value, "pid": handle.pid,
@@ -243,19 +247,23 @@ def engine_status(handle: EngineHandle) -> dict[str, Any]:
         "fail_reason": handle.fail_reason or None,
         "last_exit": handle.last_exit.to_json() if handle.last_exit else None,
         "last_cleanup": handle.cleanup or None,
-        "gpus": list(spec.gpus), "rss_bytes": _tree_rss(handle.pid),
+        "gpus": list(spec.gpus), "rss_bytes": tree.rss_bytes if tree else None,
         "queue": {"waiting": hb.waiting, "running": hb.running} if hb else None,
-        "gpu_memory": [{"gpu": m.gpu, "allocated_bytes": m.allocated_bytes,
-                        "reserved_bytes": m.reserved_bytes, "peak_bytes": m.peak_bytes}
-                       for m in (hb.gpu_memory if hb else [])],
+        "gpu_memory": _gpu_memory(handle, sample),
     }
 
 
-def _tree_rss(pid: int | None) -> int | None:
-    if pid is None:
-        return None
-    try:
-        root = psutil.Process(pid)
-        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
-    except psutil.Error:
-        return None
+def _gpu_memory(handle: EngineHandle, sample: Sample) -> list[dict[str, Any]]:
+    """torch's figures from the heartbeat, joined with NVML's per-process figure per GPU."""
+    hb = handle.heartbeat if handle.pid is not None else None
+    nvml = {d.index: d.process_bytes.get(handle.pid) for d in sample.gpus}
+    torch_by_gpu = {m.gpu: m for m in (hb.gpu_memory if hb else [])}
+    rows = []
+    for gpu in handle.spec.gpus:
+        mem = torch_by_gpu.get(gpu)
+        rows.append({"gpu": gpu,
+                     "allocated_bytes": mem.allocated_bytes if mem else None,
+                     "reserved_bytes": mem.reserved_bytes if mem else None,
+                     "peak_bytes": mem.peak_bytes if mem else None,
+                     "used_bytes": nvml.get(gpu)})
+    return rows

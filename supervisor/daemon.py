@@ -22,8 +22,10 @@ from supervisor import __version__
 from supervisor.control import ControlContext, make_app
 from supervisor.fleet import Fleet
 from supervisor.handle import EngineHandle, HandleDeps
+from supervisor.http import LoopTicker, MetricsEndpoint
 from supervisor.ipc import EngineChannels
 from supervisor.launcher import ExecLauncher
+from supervisor.sampler import Sampler
 from supervisor.runtime import (RuntimeError_, RuntimeLock, prepare_runtime_dir,
                                 resolve_log_dir, resolve_runtime_dir)
 from supervisor.spec import FleetSpec, SpecError, format_fleet, load_fleet
@@ -50,6 +52,9 @@ class Daemon:
         self.shutdown_requests = 0
         self.fleet: Fleet | None = None
         self.channels: EngineChannels | None = None
+        self.sampler = Sampler()
+        self.ticker = LoopTicker()
+        self.runners: list[web.AppRunner] = []
 
     def dispatch(self, command: DaemonCommand) -> None:
         """The one entry for signals (via the loop's signal handlers) and control requests."""
@@ -63,14 +68,15 @@ class Daemon:
         self.channels = EngineChannels(str(self.runtime_dir), self._on_control)
         self.fleet = Fleet(self.spec, self._make_handle_factory(loop))
         self.channels.start()
-        runner = await self._serve_control()
+        self.ticker.start()
+        self.runners = [await self._serve_control(), *await self._serve_http()]
         self.fleet.start()
         log.info("[start] engined %s pid %d: %d engines from %s", __version__, os.getpid(),
                  len(self.fleet.handles), self.config_path)
         try:
             await self._command_loop()
         finally:
-            await self._shutdown(runner)
+            await self._shutdown()
         return EXIT_OK
 
     def _on_control(self, msg):
@@ -91,7 +97,7 @@ class Daemon:
 
     async def _serve_control(self) -> web.AppRunner:
         assert self.fleet is not None and self.channels is not None
-        ctx = ControlContext(self.fleet, self.channels, self.config_path)
+        ctx = ControlContext(self.fleet, self.channels, self.sampler, self.config_path)
         runner = web.AppRunner(make_app(ctx), handle_signals=False, access_log=None)
         await runner.setup()
         path = Path(self.spec.supervisor.control_socket or self.runtime_dir / "control.sock")
@@ -105,6 +111,24 @@ class Daemon:
         log.info("[control] listening on %s", path)
         return runner
 
+    async def _serve_http(self) -> list[web.AppRunner]:
+        """The TCP endpoint for Prometheus and probes; `http: off` disables it."""
+        assert self.fleet is not None and self.channels is not None
+        address = self.spec.supervisor.http
+        if address is None:
+            return []
+        endpoint = MetricsEndpoint(self.fleet, self.channels, self.sampler, self.ticker)
+        runner = web.AppRunner(endpoint.make_app(), handle_signals=False, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, address[0], address[1], reuse_address=True).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise RuntimeError_(f"cannot serve HTTP on {address[0]}:{address[1]} "
+                                f"(supervisor.http): {exc.strerror or exc}") from None
+        log.info("[http] serving /metrics /health /livez /readyz on %s:%d", *address)
+        return [runner]
+
     async def _command_loop(self) -> None:
         while True:
             command = await self.commands.get()
@@ -115,7 +139,7 @@ class Daemon:
             elif command is DaemonCommand.RELOAD:
                 log.warning("[reload] reload is not supported by this version; ignoring SIGHUP")
 
-    async def _shutdown(self, runner: web.AppRunner) -> None:
+    async def _shutdown(self) -> None:
         assert self.fleet is not None and self.channels is not None
         log.info("[shutdown] stopping %d engines", len(self.fleet.handles))
         started = time.monotonic()
@@ -124,7 +148,9 @@ class Daemon:
             await self.fleet.shutdown()
         finally:
             second_signal.cancel()
-        await runner.cleanup()
+        for runner in self.runners:
+            await runner.cleanup()
+        self.ticker.stop()
         await self.channels.close()
         log.info("[shutdown] done in %.2fs", time.monotonic() - started)
 
@@ -175,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = resolve_log_dir(spec.supervisor.log_dir, runtime_dir)
     try:
         return asyncio.run(Daemon(spec, os.path.abspath(args.config), runtime_dir, log_dir).run())
+    except RuntimeError_ as exc:
+        print(f"engined: {exc}", file=sys.stderr)
+        return EXIT_FATAL
     finally:
         lock.release()
 

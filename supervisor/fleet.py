@@ -9,7 +9,7 @@ from typing import Callable
 
 from engine import protocol as proto
 from supervisor.handle import Desired, EngineHandle, HandleDeps
-from supervisor.ipc import EngineChannels, RequestFailed
+from supervisor.ipc import EngineChannels, RequestFailed, RequestTimeout
 from supervisor.spec import FleetSpec
 from supervisor.state import EngineState
 
@@ -95,8 +95,17 @@ class Fleet:
     async def generate(self, channels: EngineChannels, prompt: str, max_tokens: int,
                        engine: str | None, timeout_s: float) -> proto.GenerateResult:
         handle = self.pick_engine(engine, channels)
-        return await channels.generate(handle.name, handle.incarnation, prompt, max_tokens,
-                                       timeout_s)
+        try:
+            result = await channels.generate(handle.name, handle.incarnation, prompt, max_tokens,
+                                             timeout_s)
+        except RequestTimeout:
+            handle.requests["timeout"] += 1
+            raise
+        except RequestFailed:
+            handle.requests["error"] += 1
+            raise
+        handle.requests["ok"] += 1
+        return result
 
     # --- views -------------------------------------------------------------------------------
     def counts(self) -> tuple[int, int]:

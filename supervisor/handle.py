@@ -94,6 +94,8 @@ class EngineHandle:
         self.phase = ""
         self.cleanup: dict[str, float] = {}
         self.stale_messages = 0
+        self.cpu_seconds_exited = 0.0  # CPU of earlier incarnations, so the counter never resets
+        self.requests: collections.Counter[str] = collections.Counter()  # outcome -> count
         self.restart_at: float | None = None
         self.fail_reason = ""
         self._spawn_due: float | None = None
@@ -233,6 +235,7 @@ class EngineHandle:
         child.signal_group(signal.SIGKILL)  # stragglers in its group must not keep a GPU
         self._term_deadline = None
         self.deps.on_exit(self, self.incarnation)
+        self.cpu_seconds_exited += record.cpu_seconds
         status = record.status
         expected = requested is not None or killed_for is not None
         self.log.note(f"pid {child.pid} exited: {status.describe(not expected)}")

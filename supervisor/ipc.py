@@ -32,6 +32,10 @@ class RequestFailed(Exception):
     """A generate request could not be served (engine gone, unreachable, or it reported an error)."""
 
 
+class RequestTimeout(RequestFailed):
+    """The engine did not answer in time."""
+
+
 class EngineChannels:
     def __init__(self, runtime_dir: str,
                  on_control: Callable[[proto.ControlMessage], str | None]) -> None:
@@ -137,7 +141,7 @@ class EngineChannels:
             await self._send(_route(engine, incarnation), proto.encode(request))
             result = await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
-            raise RequestFailed(f"{engine} did not answer within {timeout_s:g}s") from None
+            raise RequestTimeout(f"{engine} did not answer within {timeout_s:g}s") from None
         finally:
             self._pending.pop(request.id, None)
         if result.error is not None:

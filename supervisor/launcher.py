@@ -32,6 +32,7 @@ class ExitRecord:
     status: ExitStatus
     at_monotonic: float
     at_wall: float
+    cpu_seconds: float = 0.0  # the child's own user+system time, from wait4's rusage
 
 
 @dataclass
@@ -113,12 +114,14 @@ def watch_exit(loop: asyncio.AbstractEventLoop, pid: int) -> asyncio.Future[Exit
 
     def on_exit() -> None:
         try:
-            done, status = os.waitpid(pid, os.WNOHANG)
+            done, status, usage = os.wait4(pid, os.WNOHANG)
+            cpu_s = usage.ru_utime + usage.ru_stime
         except ChildProcessError:  # reaped elsewhere; should not happen, but never hang on it
-            done, status = pid, 0
+            done, status, cpu_s = pid, 0, 0.0
         if done == 0:
             return
-        record = ExitRecord(ExitStatus.from_wait_status(status), time.monotonic(), time.time())
+        record = ExitRecord(ExitStatus.from_wait_status(status), time.monotonic(), time.time(),
+                            cpu_s)
         loop.remove_reader(pidfd)
         os.close(pidfd)
         if not future.done():

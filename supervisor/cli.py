@@ -1,0 +1,453 @@
+"""enginectl: the command-line client for engined's control socket.
+
+Speaks HTTP/1.1 + JSON over the daemon's unix socket. It must start fast (`enginectl status` well
+under 300 ms end to end), so it imports only the standard library and nothing else from the
+`supervisor` package; the daemon imports `default_runtime_dir` / `default_socket_path` from here so
+that both sides agree on where the socket lives.
+
+Exit codes (a contract, see DESIGN.md): 0 ok; 1 the operation failed; 2 usage error; 3 (`status`)
+an engine that should be READY is not; 4 daemon unreachable or access denied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+from urllib.parse import quote
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NOT_READY = 3
+EXIT_UNREACHABLE = 4
+
+# A live daemon accepts at once; a long connect means it is gone or wedged.
+CONNECT_TIMEOUT_S = 5.0
+STATUS_TIMEOUT_S = 30.0
+RELOAD_TIMEOUT_S = 300.0
+# The daemon waits up to the command's own timeout before answering; leave it room to reply.
+WAIT_MARGIN_S = 30.0
+DEFAULT_ACTION_TIMEOUT_S = 120.0
+DEFAULT_GENERATE_TIMEOUT_S = 300.0
+DEFAULT_LOG_LINES = 50
+DEFAULT_MAX_TOKENS = 64
+STREAM_CHUNK_BYTES = 65536
+
+
+# --- socket location (shared with the daemon) -------------------------------------------------
+
+
+def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:
+    """$RUNTIME_DIRECTORY (first entry), else $XDG_RUNTIME_DIR/engined, else /tmp/engined-<uid>."""
+    env = os.environ if env is None else env
+    # systemd joins several RuntimeDirectory= entries with ':'; ours is the first.
+    runtime = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    if runtime:
+        return runtime
+    xdg = env.get("XDG_RUNTIME_DIR", "")
+    if xdg:
+        return os.path.join(xdg, "engined")
+    return f"/tmp/engined-{os.getuid()}"
+
+
+def default_socket_path(env: Mapping[str, str] | None = None) -> str:
+    """The control socket the daemon binds when the spec does not name one."""
+    return os.path.join(default_runtime_dir(env), "control.sock")
+
+
+def resolve_socket_path(option: str | None, env: Mapping[str, str] | None = None) -> str:
+    """--socket, else $ENGINED_SOCKET, else the daemon's default."""
+    env = os.environ if env is None else env
+    return option or env.get("ENGINED_SOCKET") or default_socket_path(env)
+
+
+# --- transport --------------------------------------------------------------------------------
+
+
+class CtlError(Exception):
+    """A failure to report as `enginectl: <message>` with the given exit code."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTPConnection over an AF_UNIX socket; the Host header is `engined`."""
+
+    def __init__(self, socket_path: str, timeout_s: float | None) -> None:
+        super().__init__("engined", timeout=timeout_s)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            sock.connect(self.socket_path)
+            sock.settimeout(self.timeout)  # the per-request read timeout (None: wait forever)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _error_text(body: bytes, status: int, reason: str) -> str:
+    """The daemon's `{"error": ...}` text, or whatever the body says."""
+    try:
+        data = json.loads(body)
+        if isinstance(data, dict) and isinstance(data.get("error"), str):
+            return data["error"]
+    except ValueError:
+        pass
+    text = body.decode("utf-8", "replace").strip()
+    return text or f"HTTP {status} {reason}"
+
+
+class Client:
+    """Talks to the daemon; enginectl makes a handful of requests at most, one per connection."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+
+    @contextlib.contextmanager
+    def transport_errors(self) -> Iterator[None]:
+        """Turn socket-level failures into exit code 4 with a message naming the socket."""
+        try:
+            yield
+        except PermissionError as e:
+            raise CtlError(f"access denied by engined at {self.socket_path}: {_reason(e)}",
+                           EXIT_UNREACHABLE) from e
+        except OSError as e:  # missing socket, refused, reset, timed out
+            raise CtlError(f"cannot reach engined at {self.socket_path}: {_reason(e)} "
+                           "(is engined running?)", EXIT_UNREACHABLE) from e
+        except http.client.IncompleteRead as e:  # the daemon died mid-answer
+            raise CtlError(f"lost connection to engined at {self.socket_path}: {_reason(e)}",
+                           EXIT_UNREACHABLE) from e
+        except http.client.HTTPException as e:
+            raise CtlError(f"bad response from engined at {self.socket_path}: {_reason(e)}") from e
+
+    def open(self, method: str, path: str, body: Any = None,
+             timeout_s: float | None = STATUS_TIMEOUT_S) -> http.client.HTTPResponse:
+        """Send a request; return a 2xx response, else raise CtlError with the daemon's text."""
+        conn = UnixHTTPConnection(self.socket_path, timeout_s)
+        payload = None if body is None else json.dumps(body).encode()
+        # One request per connection: `Connection: close` hands the socket to the response,
+        # which closes it once the body is read.
+        headers = {"Accept": "application/json", "Connection": "close"}
+        if payload is not None:
+            headers["Content-Type"] = "application/json"
+        with self.transport_errors():
+            conn.request(method, path, body=payload, headers=headers)
+            resp = conn.getresponse()
+            if resp.status < 400:
+                return resp
+            text = _error_text(resp.read(), resp.status, resp.reason)
+        conn.close()
+        if resp.status == 403:
+            raise CtlError(f"access denied by engined at {self.socket_path}: {text}",
+                           EXIT_UNREACHABLE)
+        raise CtlError(text)
+
+    def call(self, method: str, path: str, body: Any = None,
+             timeout_s: float | None = STATUS_TIMEOUT_S) -> Any:
+        """A JSON request/response exchange."""
+        resp = self.open(method, path, body, timeout_s)
+        with self.transport_errors():
+            raw = resp.read()
+        resp.close()
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise CtlError(f"bad response from engined at {self.socket_path}: {e}") from e
+
+
+def _reason(e: BaseException) -> str:
+    return getattr(e, "strerror", None) or str(e) or type(e).__name__
+
+
+# --- formatting -------------------------------------------------------------------------------
+
+
+def humanize_duration(seconds: float, coarse: bool = False) -> str:
+    """3m12s / 2h05m / 1d03h; with coarse, only the largest unit (for "2m ago")."""
+    s = int(max(seconds, 0.0))
+    units = [("d", 86400), ("h", 3600), ("m", 60), ("s", 1)]
+    for i, (name, size) in enumerate(units):
+        if s >= size or size == 1:
+            major, rest = divmod(s, size)
+            if coarse or size == 1:
+                return f"{major}{name}"
+            minor_name, minor_size = units[i + 1]
+            return f"{major}{name}{rest // minor_size:02d}{minor_name}"
+    raise AssertionError("unreachable")
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.1f}s" if seconds < 60 else humanize_duration(seconds)
+
+
+def format_last_exit(last_exit: Mapping[str, Any] | None, now: float) -> str:
+    """`signal SIGKILL (signal) 2m ago`, `code 78 (exit) 5s ago`, or `-`."""
+    if not last_exit:
+        return "-"
+    if last_exit.get("signal"):
+        text = f"signal {last_exit['signal']}"
+    elif last_exit.get("code") is not None:
+        text = f"code {last_exit['code']}"
+    else:
+        text = "exit"
+    if last_exit.get("reason"):
+        text += f" ({last_exit['reason']})"
+    if last_exit.get("at") is not None:
+        text += f" {humanize_duration(now - last_exit['at'], coarse=True)} ago"
+    return text
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def status_row(engine: Mapping[str, Any], now: float) -> list[str]:
+    since = engine.get("since")
+    return [
+        str(engine.get("name")),
+        str(engine.get("state")),
+        _dash(engine.get("pid")),
+        _dash(engine.get("restarts")),
+        "-" if since is None else humanize_duration(now - since),
+        _age(engine.get("heartbeat_age_s")),
+        format_last_exit(engine.get("last_exit"), now),
+    ]
+
+
+STATUS_HEADER = ["NAME", "STATE", "PID", "RESTARTS", "UPTIME", "HEARTBEAT", "LAST-EXIT"]
+
+
+def render_table(rows: list[list[str]]) -> str:
+    """Left-aligned columns two spaces apart; the last column is not padded."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+def select_engines(engines: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """Engines matching each NAME (replica, group or `all`), in status order; unknown → error."""
+    wanted: set[str] = set()
+    for name in names:
+        matched = {e["name"] for e in engines
+                   if name == "all" or e.get("name") == name or e.get("group") == name}
+        if not matched and name != "all":
+            raise CtlError(f"unknown engine '{name}'")
+        wanted |= matched
+    return [e for e in engines if e["name"] in wanted]
+
+
+def _not_ready(engines: list[dict[str, Any]], named: bool) -> bool:
+    # Without names, engines an operator stopped on purpose do not count against health.
+    return any(e.get("state") != "READY" for e in engines
+               if named or e.get("desired", "run") == "run")
+
+
+def cmd_status(client: Client, args: argparse.Namespace) -> int:
+    data = client.call("GET", "/v1/status")
+    engines = data.get("engines", [])
+    if args.names:
+        engines = select_engines(engines, args.names)
+        data = {**data, "engines": engines}
+    if args.json:
+        _print_json(data)
+    else:
+        now = time.time()
+        print(render_table([STATUS_HEADER] + [status_row(e, now) for e in engines]))
+        if args.names and len(engines) == 1:
+            _print_log_tail(engines[0])
+    return EXIT_NOT_READY if _not_ready(engines, bool(args.names)) else EXIT_OK
+
+
+def _print_log_tail(engine: Mapping[str, Any]) -> None:
+    tail = (engine.get("last_exit") or {}).get("log_tail") or []
+    if tail:
+        print(f"\nlast exit of {engine['name']}, log tail:")
+        for line in tail:
+            print(f"    {line}")
+
+
+def format_action_result(result: Mapping[str, Any]) -> str:
+    """`tiny-0: READY (pid 1234)` or `tiny-0: FAILED: <error>`."""
+    head = f"{result.get('name')}: {result.get('state')}"
+    if not result.get("ok"):
+        return f"{head}: {result.get('error') or 'did not reach the target state'}"
+    pid = result.get("pid")
+    return head if pid is None else f"{head} (pid {pid})"
+
+
+def cmd_action(client: Client, args: argparse.Namespace) -> int:
+    """restart / stop / start: one request per NAME; a 404 for one does not skip the others."""
+    body = {"wait": not args.no_wait, "timeout_s": args.timeout}
+    http_timeout_s = args.timeout + WAIT_MARGIN_S
+    failed = False
+    for name in dict.fromkeys(args.names):  # de-duplicate, keep order
+        path = f"/v1/engines/{quote(name, safe='')}/{args.command}"
+        try:
+            data = client.call("POST", path, body, timeout_s=http_timeout_s)
+        except CtlError as e:
+            if e.exit_code != EXIT_FAILED:
+                raise  # unreachable / denied: the rest would fail the same way
+            print(f"enginectl: {e}", file=sys.stderr)
+            failed = True
+            continue
+        for result in data.get("engines", []):
+            print(format_action_result(result))
+            failed = failed or not result.get("ok")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def format_reload(diff: Mapping[str, Any]) -> list[str]:
+    def line(label: str, key: str) -> list[str]:
+        names = diff.get(key) or []
+        return [f"{label}: {', '.join(names)}"] if names else []
+
+    lines = line("added", "added") + line("removed", "removed") + line("changed", "changed")
+    if not lines:
+        lines = ["no changes"]
+    return lines + line("unchanged", "unchanged") + line("restart required", "restart_required")
+
+
+def cmd_reload(client: Client, args: argparse.Namespace) -> int:
+    diff = client.call("POST", "/v1/reload", timeout_s=RELOAD_TIMEOUT_S)
+    print("\n".join(format_reload(diff)))
+    return EXIT_OK
+
+
+def cmd_logs(client: Client, args: argparse.Namespace) -> int:
+    query = f"lines={args.lines}" + ("&follow=1" if args.follow else "")
+    path = f"/v1/engines/{quote(args.name, safe='')}/logs?{query}"
+    # Following waits for new lines indefinitely; only the connect is bounded.
+    resp = client.open("GET", path, timeout_s=None if args.follow else STATUS_TIMEOUT_S)
+    sys.stdout.flush()
+    out = sys.stdout.buffer
+    try:
+        while True:
+            with client.transport_errors():
+                chunk = resp.read1(STREAM_CHUNK_BYTES)
+            if not chunk:
+                return EXIT_OK
+            out.write(chunk)
+            out.flush()  # show lines as they arrive, not when a buffer fills
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        resp.close()
+
+
+def cmd_generate(client: Client, args: argparse.Namespace) -> int:
+    body = {"prompt": " ".join(args.prompt), "max_tokens": args.max_tokens, "engine": args.engine}
+    data = client.call("POST", "/v1/generate", body, timeout_s=args.timeout)
+    if args.json:
+        _print_json(data)
+    else:
+        print(data.get("text", ""))
+    return EXIT_OK
+
+
+# --- argument parsing -------------------------------------------------------------------------
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # --socket on the subparsers too, so it works after the subcommand; SUPPRESS keeps a
+    # subparser that did not see it from overwriting the value given before the subcommand.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS,
+                        help="control socket (default: $ENGINED_SOCKET, else the daemon's)")
+    parser = argparse.ArgumentParser(prog="enginectl", description="Control engined.")
+    parser.add_argument("--socket", metavar="PATH", default=None,
+                        help="control socket (default: $ENGINED_SOCKET, else the daemon's)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("status", parents=[common], help="show engines")
+    p.add_argument("names", nargs="*", metavar="NAME")
+    p.add_argument("--json", action="store_true", help="print the API's JSON")
+    p.set_defaults(func=cmd_status)
+
+    for action in ("restart", "stop", "start"):
+        p = sub.add_parser(action, parents=[common], help=f"{action} engines")
+        p.add_argument("names", nargs="+", metavar="NAME", help="replica, group or 'all'")
+        p.add_argument("--no-wait", action="store_true", help="return without waiting")
+        p.add_argument("--timeout", type=_positive_float, default=DEFAULT_ACTION_TIMEOUT_S,
+                       metavar="S", help="seconds to wait (default %(default)s)")
+        p.set_defaults(func=cmd_action)
+
+    p = sub.add_parser("reload", parents=[common], help="re-read the fleet spec")
+    p.set_defaults(func=cmd_reload)
+
+    p = sub.add_parser("logs", parents=[common], help="show an engine's log")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("-n", "--lines", type=_positive_int, default=DEFAULT_LOG_LINES, metavar="N")
+    p.add_argument("-f", "--follow", action="store_true", help="stream new lines until Ctrl-C")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("generate", parents=[common], help="run one prompt through an engine")
+    p.add_argument("prompt", nargs="+", metavar="PROMPT")
+    p.add_argument("--engine", metavar="NAME", default=None)
+    p.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS, metavar="N")
+    p.add_argument("--timeout", type=_positive_float, default=DEFAULT_GENERATE_TIMEOUT_S,
+                   metavar="S")
+    p.add_argument("--json", action="store_true", help="print the API's JSON")
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors, 0 after --help
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    client = Client(resolve_socket_path(args.socket))
+    try:
+        return args.func(client, args)
+    except CtlError as e:
+        print(f"enginectl: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # Reader went away (`enginectl logs x | head`): not an error. Point stdout at devnull
+        # so the interpreter's final flush does not complain.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

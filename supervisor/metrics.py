@@ -1,0 +1,172 @@
+"""Prometheus metrics: one collector that reads the supervisor's state at scrape time.
+
+Nothing else in the daemon touches metric objects: counters come from state the handles keep
+anyway (restart counts by reason, request outcomes, CPU of exited incarnations), so they cannot
+drift from what `enginectl status` shows, and they never go backwards within a daemon lifetime.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from supervisor import __version__
+from supervisor.handle import EngineHandle
+from supervisor.policy import Reason
+from supervisor.sampler import Sample
+from supervisor.state import EngineState
+
+REQUEST_OUTCOMES = ("ok", "error", "timeout")
+
+
+class FleetCollector:
+    """A prometheus_client custom collector over the live handles and the latest sample."""
+
+    def __init__(self, handles: Iterable[EngineHandle] | None = None) -> None:
+        self._handles: list[EngineHandle] = list(handles or [])
+        self._sample = Sample(at=0.0)
+        self._ipc_dropped: dict[str, int] = {}
+        self._cpu_reported: dict[str, float] = {}
+
+    def update(self, handles: Iterable[EngineHandle], sample: Sample,
+               ipc_dropped: dict[str, int]) -> None:
+        self._handles, self._sample, self._ipc_dropped = list(handles), sample, dict(ipc_dropped)
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked collector: families vary with the fleet
+
+    def collect(self) -> Iterator[Metric]:
+        build = GaugeMetricFamily("engined_build_info", "engined build", labels=["version"])
+        build.add_metric([__version__], 1)
+        yield build
+        yield from self._engine_metrics()
+        yield from self._gpu_device_metrics()
+        dropped = CounterMetricFamily("engined_ipc_dropped_messages",
+                                      "Engine-channel messages dropped (malformed, stale, unknown)",
+                                      labels=["kind"])
+        for kind, count in sorted(self._ipc_dropped.items()):
+            dropped.add_metric([kind], count)
+        yield dropped
+
+    def _engine_metrics(self) -> Iterator[Metric]:
+        f = _Families()
+        now_wall, now_mono = time.time(), time.monotonic()
+        for h in self._handles:
+            name = h.name
+            f.info.add_metric([name, h.spec.group, h.spec.model.source], 1)
+            for state in EngineState:
+                f.state.add_metric([name, state.value], 1 if h.state is state else 0)
+            f.up.add_metric([name], 1 if h.state is EngineState.READY else 0)
+            for reason in Reason:
+                f.restarts.add_metric([name, reason.value], h.restarts[reason])
+            for outcome in REQUEST_OUTCOMES:
+                f.requests.add_metric([name, outcome], h.requests[outcome])
+            if h.spawned_wall is not None:
+                f.start_time.add_metric([name], h.spawned_wall)
+            if h.startup_s is not None:
+                f.startup.add_metric([name], h.startup_s)
+            if h.last_heartbeat_at is not None:
+                f.heartbeat.add_metric([name], now_wall - (now_mono - h.last_heartbeat_at))
+            self._process_metrics(f, h)
+            self._heartbeat_metrics(f, h)
+        yield from f.all()
+
+    def _process_metrics(self, f: _Families, h: EngineHandle) -> None:
+        tree = self._sample.trees.get(h.pid) if h.pid is not None else None
+        if tree is not None:
+            f.rss.add_metric([h.name], tree.rss_bytes)
+        # Exited incarnations' CPU plus the live tree; clamped so a tree member that exits
+        # unreaped by the engine cannot make the counter step back.
+        cpu = h.cpu_seconds_exited + (tree.cpu_seconds if tree else 0.0)
+        cpu = max(cpu, self._cpu_reported.get(h.name, 0.0))
+        self._cpu_reported[h.name] = cpu
+        f.cpu.add_metric([h.name], cpu)
+        for device in self._sample.gpus:
+            if h.pid is not None and h.pid in device.process_bytes:
+                f.gpu_used.add_metric([h.name, str(device.index)], device.process_bytes[h.pid])
+
+    @staticmethod
+    def _heartbeat_metrics(f: _Families, h: EngineHandle) -> None:
+        hb = h.heartbeat if h.pid is not None else None
+        if hb is None:
+            return
+        f.running.add_metric([h.name], hb.running)
+        f.waiting.add_metric([h.name], hb.waiting)
+        for mem in hb.gpu_memory:
+            labels = [h.name, str(mem.gpu)]
+            f.gpu_allocated.add_metric(labels, mem.allocated_bytes)
+            f.gpu_reserved.add_metric(labels, mem.reserved_bytes)
+            f.gpu_peak.add_metric(labels, mem.peak_bytes)
+
+    def _gpu_device_metrics(self) -> Iterator[Metric]:
+        if not self._sample.gpus:
+            return  # no NVML: device metrics are absent, not zero
+        used = GaugeMetricFamily("engined_gpu_memory_used_bytes", "GPU memory used (NVML)",
+                                 labels=["gpu", "uuid"])
+        total = GaugeMetricFamily("engined_gpu_memory_total_bytes", "GPU memory total (NVML)",
+                                  labels=["gpu", "uuid"])
+        for device in self._sample.gpus:
+            used.add_metric([str(device.index), device.uuid], device.used_bytes)
+            total.add_metric([str(device.index), device.uuid], device.total_bytes)
+        yield used
+        yield total
+
+
+class _Families:
+    """The per-engine metric families of one scrape."""
+
+    def __init__(self) -> None:
+        e, eg = ["engine"], ["engine", "gpu"]
+        self.info = GaugeMetricFamily("engined_engine_info", "Engine identity",
+                                      labels=["engine", "group", "model"])
+        self.state = GaugeMetricFamily("engined_engine_state",
+                                       "1 for the engine's current state, 0 for the others",
+                                       labels=["engine", "state"])
+        self.up = GaugeMetricFamily("engined_engine_up", "1 when the engine is READY", labels=e)
+        self.restarts = CounterMetricFamily("engined_engine_restarts",
+                                            "Engine restarts by reason",
+                                            labels=["engine", "reason"])
+        self.start_time = GaugeMetricFamily("engined_engine_start_time_seconds",
+                                            "Unix time of the current spawn", labels=e)
+        self.startup = GaugeMetricFamily("engined_engine_startup_duration_seconds",
+                                         "Last spawn-to-READY duration", labels=e)
+        self.heartbeat = GaugeMetricFamily("engined_engine_heartbeat_timestamp_seconds",
+                                           "Unix time of the last heartbeat received", labels=e)
+        self.rss = GaugeMetricFamily("engined_engine_resident_memory_bytes",
+                                     "Resident memory of the engine's process tree", labels=e)
+        self.cpu = CounterMetricFamily("engined_engine_cpu_seconds",
+                                       "CPU time of the engine's process tree, all incarnations",
+                                       labels=e)
+        self.gpu_allocated = GaugeMetricFamily("engined_engine_gpu_memory_allocated_bytes",
+                                               "torch allocated GPU memory", labels=eg)
+        self.gpu_reserved = GaugeMetricFamily("engined_engine_gpu_memory_reserved_bytes",
+                                              "torch reserved GPU memory", labels=eg)
+        self.gpu_peak = GaugeMetricFamily("engined_engine_gpu_memory_peak_bytes",
+                                          "torch peak allocated GPU memory", labels=eg)
+        self.gpu_used = GaugeMetricFamily("engined_engine_gpu_memory_used_bytes",
+                                          "GPU memory used by the engine process (NVML)",
+                                          labels=eg)
+        self.requests = CounterMetricFamily("engined_engine_requests",
+                                            "Generate requests by outcome",
+                                            labels=["engine", "outcome"])
+        self.running = GaugeMetricFamily("engined_engine_requests_running",
+                                         "Requests in the batch being computed", labels=e)
+        self.waiting = GaugeMetricFamily("engined_engine_requests_waiting",
+                                         "Requests queued in the engine", labels=e)
+
+    def all(self) -> Iterator[Metric]:
+        return iter(vars(self).values())
+
+
+def make_registry(collector: FleetCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    ProcessCollector(registry=registry)  # the daemon's own process_* metrics
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

@@ -1,0 +1,131 @@
+"""Resource samples for status and metrics: engine process trees (psutil) and GPUs (NVML).
+
+Sampling reads /proc for every process on the host and may call into the NVIDIA driver, so it
+runs in a worker thread (`asyncio.to_thread`) and its result is cached briefly: a burst of scrapes
+costs one sample, and the event loop (heartbeats, exits) never waits on /proc or the driver.
+NVML is optional: without a driver (NVMLError_LibraryNotFound) the GPU figures are simply absent.
+NVML never creates a CUDA context, so the daemon stays CUDA-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+log = logging.getLogger("engined.sampler")
+
+SAMPLE_TTL_S = 1.0
+
+
+@dataclass(frozen=True)
+class TreeSample:
+    rss_bytes: int
+    cpu_seconds: float
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    index: int
+    uuid: str
+    used_bytes: int
+    total_bytes: int
+    process_bytes: dict[int, int]  # pid -> bytes used by that process on this device
+
+
+@dataclass(frozen=True)
+class Sample:
+    at: float
+    trees: dict[int, TreeSample] = field(default_factory=dict)  # engine leader pid -> its tree
+    gpus: tuple[GpuDevice, ...] = ()
+
+
+class Nvml:
+    """A thin, failure-tolerant view of NVML (nvidia-ml-py)."""
+
+    def __init__(self) -> None:
+        self.available = False
+        self._nvml: Any = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self.available = pynvml, True
+        except Exception as exc:  # noqa: BLE001 - no library, no driver, no GPU: all "absent"
+            log.info("[gpu] NVML unavailable (%s): GPU device metrics are off",
+                     type(exc).__name__)
+
+    def devices(self) -> tuple[GpuDevice, ...]:
+        if not self.available:
+            return ()
+        nvml = self._nvml
+        try:
+            return tuple(self._device(nvml, i) for i in range(nvml.nvmlDeviceGetCount()))
+        except nvml.NVMLError as exc:
+            log.warning("[gpu] NVML query failed: %s", exc)
+            return ()
+
+    @staticmethod
+    def _device(nvml: Any, index: int) -> GpuDevice:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        uuid = nvml.nvmlDeviceGetUUID(handle)
+        per_pid: dict[int, int] = {}
+        for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            used = proc.usedGpuMemory
+            if used is not None:
+                per_pid[proc.pid] = per_pid.get(proc.pid, 0) + int(used)
+        return GpuDevice(index, uuid if isinstance(uuid, str) else uuid.decode(),
+                         int(memory.used), int(memory.total), per_pid)
+
+
+def sample_trees(pids: list[int]) -> dict[int, TreeSample]:
+    """RSS and CPU of each pid plus all its descendants, from one pass over /proc."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, TreeSample] = {}
+    for proc in psutil.process_iter(["ppid", "memory_info", "cpu_times"]):
+        info = proc.info
+        if info["memory_info"] is None or info["cpu_times"] is None:
+            continue
+        children.setdefault(info["ppid"], []).append(proc.pid)
+        cpu = info["cpu_times"]
+        stats[proc.pid] = TreeSample(info["memory_info"].rss, cpu.user + cpu.system)
+    return {pid: _sum_tree(pid, children, stats) for pid in pids if pid in stats}
+
+
+def _sum_tree(root: int, children: dict[int, list[int]],
+              stats: dict[int, TreeSample]) -> TreeSample:
+    rss, cpu, stack = 0, 0.0, [root]
+    while stack:
+        pid = stack.pop()
+        if pid in stats:
+            rss += stats[pid].rss_bytes
+            cpu += stats[pid].cpu_seconds
+        stack.extend(children.get(pid, ()))
+    return TreeSample(rss, cpu)
+
+
+class Sampler:
+    def __init__(self, nvml: Nvml | None = None) -> None:
+        self.nvml = nvml if nvml is not None else Nvml()
+        self.last = Sample(at=0.0)
+        self._inflight: asyncio.Future[Sample] | None = None
+
+    async def sample(self, pids: list[int], max_age_s: float = SAMPLE_TTL_S) -> Sample:
+        """A sample no older than max_age_s covering `pids`; concurrent callers share one."""
+        if time.monotonic() - self.last.at <= max_age_s and set(pids) <= set(self.last.trees):
+            return self.last
+        if self._inflight is None:
+            self._inflight = asyncio.ensure_future(asyncio.to_thread(self._take, pids))
+        try:
+            self.last = await asyncio.shield(self._inflight)
+        finally:
+            self._inflight = None
+        return self.last
+
+    def _take(self, pids: list[int]) -> Sample:
+        return Sample(time.monotonic(), sample_trees(pids), self.nvml.devices())
