@@ -176,6 +176,11 @@ def _reason(e: BaseException) -> str:
 # --- formatting -------------------------------------------------------------------------------
 
 
+def wall_now() -> float:
+    """The clock ages are computed against (a function, so tests can pin it)."""
+    return time.time()
+
+
 def humanize_duration(seconds: float, coarse: bool = False) -> str:
     """3m12s / 2h05m / 1d03h; with coarse, only the largest unit (for "2m ago")."""
     s = int(max(seconds, 0.0))
@@ -274,7 +279,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(data)
     else:
-        now = time.time()
+        now = wall_now()
         print(render_table([STATUS_HEADER] + [status_row(e, now) for e in engines]))
         if args.names and len(engines) == 1:
             _print_log_tail(engines[0])
