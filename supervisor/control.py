@@ -22,6 +22,7 @@ from supervisor import __version__
 from supervisor.fleet import Fleet, NoEngineReady, UnknownEngine
 from supervisor.handle import Desired, EngineHandle
 from supervisor.ipc import EngineChannels, RequestFailed
+from supervisor.reload import ReloadRejected
 from supervisor.sampler import Sample, Sampler
 from supervisor.state import EngineState
 
@@ -185,7 +186,7 @@ class _Routes:
             return _error(501, "reload is not available in this daemon")
         try:
             return web.json_response(await self.ctx.reload())
-        except Exception as exc:  # noqa: BLE001 - the reload's error is the client's answer
+        except ReloadRejected as exc:
             return _error(400, str(exc))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import enum
 import logging
 import os
@@ -22,7 +23,10 @@ from supervisor import __version__
 from supervisor.control import ControlContext, make_app
 from supervisor.fleet import Fleet
 from supervisor.handle import EngineHandle, HandleDeps
-from supervisor.http import LoopTicker, MetricsEndpoint
+from supervisor.http import LOOP_STALE_S, LoopTicker, MetricsEndpoint
+from supervisor.reload import ReloadRejected, plan_reload
+from supervisor.state import EngineState
+from supervisor.systemd import Notifier
 from supervisor.ipc import EngineChannels
 from supervisor.launcher import ExecLauncher
 from supervisor.sampler import Sampler
@@ -48,17 +52,28 @@ class Daemon:
         self.config_path = config_path
         self.runtime_dir = runtime_dir
         self.log_dir = log_dir
-        self.commands: asyncio.Queue[DaemonCommand] = asyncio.Queue()
+        self.commands: asyncio.Queue[tuple[DaemonCommand, asyncio.Future | None]] = \
+            asyncio.Queue()
         self.shutdown_requests = 0
         self.fleet: Fleet | None = None
         self.channels: EngineChannels | None = None
+        self.control: ControlContext | None = None
         self.sampler = Sampler()
         self.ticker = LoopTicker()
+        self.notifier = Notifier()
         self.runners: list[web.AppRunner] = []
+        self._reload_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task] = []
 
-    def dispatch(self, command: DaemonCommand) -> None:
+    def dispatch(self, command: DaemonCommand, reply: asyncio.Future | None = None) -> None:
         """The one entry for signals (via the loop's signal handlers) and control requests."""
-        self.commands.put_nowait(command)
+        self.commands.put_nowait((command, reply))
+
+    async def request_reload(self) -> dict:
+        """`POST /v1/reload`: the same command SIGHUP enqueues, with a reply."""
+        reply: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        self.dispatch(DaemonCommand.RELOAD, reply)
+        return await reply
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -71,6 +86,9 @@ class Daemon:
         self.ticker.start()
         self.runners = [await self._serve_control(), *await self._serve_http()]
         self.fleet.start()
+        self.notifier.ready(self._status_line())
+        self._tasks.append(loop.create_task(
+            self.notifier.watchdog(lambda: self.ticker.lag_s() < LOOP_STALE_S), name="watchdog"))
         log.info("[start] engined %s pid %d: %d engines from %s", __version__, os.getpid(),
                  len(self.fleet.handles), self.config_path)
         try:
@@ -82,6 +100,13 @@ class Daemon:
     def _on_control(self, msg):
         return self.fleet.on_control(msg) if self.fleet else "unknown_engine"
 
+    def _status_line(self) -> str:
+        ready, wanted = self.fleet.counts() if self.fleet else (0, 0)
+        return f"{ready}/{wanted} engines ready"
+
+    def _on_state(self, handle: EngineHandle, old: EngineState, new: EngineState) -> None:
+        self.notifier.status(self._status_line())
+
     def _make_handle_factory(self, loop: asyncio.AbstractEventLoop):
         assert self.channels is not None
         channels = self.channels
@@ -92,13 +117,14 @@ class Daemon:
             heartbeat_interval_s=self.spec.supervisor.heartbeat_interval_s,
             heartbeat_timeout_s=self.spec.supervisor.heartbeat_timeout_s,
             on_exit=lambda h, inc: channels.fail_engine(h.name, inc, "exited"),
-            on_state=lambda h, old, new: None)
+            on_state=self._on_state)
         return lambda engine_spec: EngineHandle(engine_spec, deps)
 
     async def _serve_control(self) -> web.AppRunner:
         assert self.fleet is not None and self.channels is not None
-        ctx = ControlContext(self.fleet, self.channels, self.sampler, self.config_path)
-        runner = web.AppRunner(make_app(ctx), handle_signals=False, access_log=None)
+        self.control = ControlContext(self.fleet, self.channels, self.sampler, self.config_path,
+                                      reload=self.request_reload)
+        runner = web.AppRunner(make_app(self.control), handle_signals=False, access_log=None)
         await runner.setup()
         path = Path(self.spec.supervisor.control_socket or self.runtime_dir / "control.sock")
         path.unlink(missing_ok=True)  # stale from a dead daemon; we hold the lock
@@ -130,17 +156,47 @@ class Daemon:
         return [runner]
 
     async def _command_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            command = await self.commands.get()
+            command, reply = await self.commands.get()
             if command is DaemonCommand.SHUTDOWN:
                 self.shutdown_requests += 1
-                if self.shutdown_requests == 1:
-                    return
-            elif command is DaemonCommand.RELOAD:
-                log.warning("[reload] reload is not supported by this version; ignoring SIGHUP")
+                return
+            if command is DaemonCommand.RELOAD:
+                # A task, so a shutdown signal is seen while a reload stops removed engines.
+                self._tasks.append(loop.create_task(self._reload(reply), name="reload"))
+
+    async def _reload(self, reply: asyncio.Future | None) -> None:
+        assert self.fleet is not None and self.control is not None
+        async with self._reload_lock:
+            self.notifier.reloading()
+            try:
+                new = load_fleet(self.config_path)
+            except SpecError as exc:
+                log.error("[reload] invalid spec, nothing changed:\n%s", exc)
+                self.notifier.ready(self._status_line())
+                if reply is not None and not reply.done():
+                    reply.set_exception(ReloadRejected(f"invalid fleet spec, nothing changed:\n{exc}"))
+                return
+            plan = plan_reload(self.spec, new)
+            # Supervisor-level keys are not applied live: keep the running ones, so the
+            # difference is reported again until engined is restarted.
+            self.spec = dataclasses.replace(new, supervisor=self.spec.supervisor)
+            self.fleet.apply(self.spec, plan)
+            self.control.generation += 1
+            summary = plan.summary()
+            log.info("[reload] generation %d: added %s, removed %s, changed %s, %d unchanged%s",
+                     self.control.generation, summary["added"], summary["removed"],
+                     summary["changed"], len(summary["unchanged"]),
+                     f"; needs a restart to apply: {summary['restart_required']}"
+                     if summary["restart_required"] else "")
+            self.notifier.ready(self._status_line())
+            if reply is not None and not reply.done():
+                reply.set_result(summary)
 
     async def _shutdown(self) -> None:
         assert self.fleet is not None and self.channels is not None
+        self.notifier.stopping()
         log.info("[shutdown] stopping %d engines", len(self.fleet.handles))
         started = time.monotonic()
         second_signal = asyncio.ensure_future(self._second_shutdown_signal())
@@ -148,20 +204,26 @@ class Daemon:
             await self.fleet.shutdown()
         finally:
             second_signal.cancel()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for runner in self.runners:
             await runner.cleanup()
         self.ticker.stop()
         await self.channels.close()
+        self.notifier.close()
         log.info("[shutdown] done in %.2fs", time.monotonic() - started)
 
     async def _second_shutdown_signal(self) -> None:
         """While stopping gracefully, a second SIGTERM/SIGINT kills what is left at once."""
         assert self.fleet is not None
         while True:
-            command = await self.commands.get()
+            command, reply = await self.commands.get()
             if command is DaemonCommand.SHUTDOWN:
                 log.warning("[shutdown] second signal: killing remaining engines now")
                 self.fleet.kill_all_now()
+            elif reply is not None and not reply.done():
+                reply.set_exception(ReloadRejected("engined is shutting down"))
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -10,7 +10,9 @@ from typing import Callable
 from engine import protocol as proto
 from supervisor.handle import Desired, EngineHandle, HandleDeps
 from supervisor.ipc import EngineChannels, RequestFailed, RequestTimeout
-from supervisor.spec import FleetSpec
+from supervisor.policy import Reason
+from supervisor.reload import ReloadPlan
+from supervisor.spec import EngineSpec, FleetSpec
 from supervisor.state import EngineState
 
 log = logging.getLogger("engined.fleet")
@@ -31,10 +33,13 @@ class NoEngineReady(Exception):
 
 class Fleet:
     def __init__(self, spec: FleetSpec,
-                 make_handle: Callable[[object], EngineHandle]) -> None:
+                 make_handle: Callable[[EngineSpec], EngineHandle]) -> None:
         self.spec = spec
+        self.make_handle = make_handle
         self.handles: dict[str, EngineHandle] = {e.name: make_handle(e) for e in spec.engines}
         self._rr = 0
+        self.retiring: dict[str, EngineHandle] = {}  # removed by a reload, still stopping
+        self._retire_tasks: set[asyncio.Task[None]] = set()
 
     # --- lookup ------------------------------------------------------------------------------
     def groups(self) -> dict[str, list[EngineHandle]]:
@@ -67,16 +72,49 @@ class Fleet:
         deadline = time.monotonic() + budget
         for handle in handles:
             handle.stop(deadline=deadline)
-        await asyncio.gather(*(h.wait_for(_is_down, budget + 10.0) for h in handles))
+        await asyncio.gather(*(h.wait_for(_is_down, budget + 10.0) for h in handles),
+                             *self._retire_tasks, return_exceptions=True)
         await asyncio.gather(*(h.close() for h in handles))
 
+    def apply(self, spec: FleetSpec, plan: ReloadPlan) -> None:
+        """Carry out a reload plan: only added, removed and changed replicas are touched."""
+        self.spec = spec
+        for engine in plan.unchanged:
+            self.handles[engine.name].spec = engine  # equivalent spec (e.g. new group size)
+        for engine in plan.changed:
+            handle = self.handles[engine.name]
+            handle.spec = engine
+            if handle.desired is Desired.RUN:
+                handle.restart(Reason.RELOAD)
+        for name in plan.removed:
+            self._retire(self.handles.pop(name))
+        for engine in plan.added:
+            handle = self.make_handle(engine)
+            self.handles[engine.name] = handle
+            handle.start_supervising()
+        order = {e.name: i for i, e in enumerate(spec.engines)}
+        self.handles = dict(sorted(self.handles.items(), key=lambda kv: order[kv[0]]))
+
+    def _retire(self, handle: EngineHandle) -> None:
+        """Stop a removed replica in the background and drop it once it is down."""
+        async def retire() -> None:
+            handle.stop()
+            await handle.wait_for(_is_down, handle.spec.stop_timeout_s + 10.0)
+            await handle.close()
+            if self.retiring.get(handle.name) is handle:
+                del self.retiring[handle.name]
+        self.retiring[handle.name] = handle
+        task = asyncio.get_running_loop().create_task(retire(), name=f"retire:{handle.name}")
+        self._retire_tasks.add(task)
+        task.add_done_callback(self._retire_tasks.discard)
+
     def kill_all_now(self) -> None:
-        for handle in self.handles.values():
+        for handle in [*self.handles.values(), *self.retiring.values()]:
             handle.kill_now()
 
     # --- messages ----------------------------------------------------------------------------
     def on_control(self, msg: proto.ControlMessage) -> str | None:
-        handle = self.handles.get(msg.engine)
+        handle = self.handles.get(msg.engine) or self.retiring.get(msg.engine)
         if handle is None:
             return "unknown_engine"
         return None if handle.on_control(msg) else "stale"

@@ -289,7 +289,8 @@ class EngineHandle:
     # --- operator commands (called on the loop) ----------------------------------------------
     def stop(self, deadline: float | None = None) -> None:
         self.desired = Desired.STOPPED
-        self._spawn_due, self._pending_reason = None, None
+        # A pending backoff restart is cancelled: status must not keep announcing it.
+        self._spawn_due, self._pending_reason, self.restart_at = None, None, None
         if deadline is not None:
             self._term_deadline = deadline
         if self.child is not None and self.child.alive:
