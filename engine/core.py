@@ -32,6 +32,8 @@ from engine.models import EngineConfigError, Model, build_model
 _PR_SET_PDEATHSIG = 1
 _IDLE_POLL_MS = 500  # idle wake-up; a signal wakes the loop at once through the wakeup fd
 _LINGER_MS = 500  # bounded linger: a dead daemon must not block our exit
+_DP_IDLE_POLL_MS = 500  # DP ranks idle here; each wake-up costs one collective
+_DIST_TIMEOUT_S = 600  # collectives and rendezvous; the daemon's stall/startup limits act first
 
 
 class StopRequested(Exception):
@@ -83,6 +85,8 @@ class EngineCoreProc:
         self.requests_ok = 0
         self.requests_failed = 0
         self._heartbeat: _HeartbeatThread | None = None
+        self.idle_poll_ms = _IDLE_POLL_MS
+        self.in_collective = False  # a DP rank waiting on its peers (stall detection counts it)
         # Test-only fault injection for any model (the echo engine always has it).
         self.faults = (os.environ.get("ENGINED_FAULT_INJECTION") == "1"
                        or config.model == "builtin:echo")
@@ -123,7 +127,8 @@ class EngineCoreProc:
         cfg = self.config
         self._send(proto.Hello(cfg.name, cfg.incarnation, os.getpid()))
         started = time.monotonic()
-        self.model = build_model(cfg, self._progress)
+        self.build()
+        assert self.model is not None
         self._send_hello_on_requests()
         load_s = time.monotonic() - started
         self._send(proto.Ready(cfg.name, cfg.incarnation, load_s, self.model.device,
@@ -134,6 +139,10 @@ class EngineCoreProc:
         self._heartbeat.start()
         self.busy_loop()
 
+    def build(self) -> None:
+        """Lazy initialisation, inside the child: the model (and, for DP ranks, the group)."""
+        self.model = build_model(self.config, self._progress)
+
     def busy_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.requests, zmq.POLLIN)
@@ -141,15 +150,14 @@ class EngineCoreProc:
         signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         poller.register(wake_r, zmq.POLLIN)
         try:
-            while not self.stop.set:
-                timeout = 0 if self.waiting else _IDLE_POLL_MS
-                ready = dict(poller.poll(timeout))
+            while True:
+                ready = dict(poller.poll(0 if self.waiting else self.idle_poll_ms))
                 if wake_r in ready:
                     _drain_fd(wake_r)
                 if self.requests in ready:
                     self._take_requests()
-                if self.waiting:
-                    self.step()
+                if not self.iterate():
+                    break
                 self.iteration += 1
                 self.last_iteration_at = time.monotonic()
             self._abort_waiting("engine stopping")
@@ -158,17 +166,28 @@ class EngineCoreProc:
             os.close(wake_r)
             os.close(wake_w)
 
-    def step(self) -> None:
-        """One batch: take up to max_batch_size waiting requests, run the model, send results."""
+    def iterate(self) -> bool:
+        """One busy-loop iteration; False ends the loop (stop requested)."""
+        if self.stop.set:
+            return False
+        if self.waiting:
+            self.step(self.next_batch(), self._stamp)
+        return True
+
+    def next_batch(self) -> list[tuple[proto.GenerateRequest, float]]:
+        count = min(len(self.waiting), self.config.max_batch_size)
+        return [self.waiting.popleft() for _ in range(count)]
+
+    def step(self, batch: list[tuple[proto.GenerateRequest, float]],
+             on_token: Callable[[], None]) -> None:
+        """One batch: run the model, send results."""
         assert self.model is not None
-        batch = [self.waiting.popleft()
-                 for _ in range(min(len(self.waiting), self.config.max_batch_size))]
         self.running = len(batch)
         started = time.monotonic()
         try:
             if self.faults:
                 _inject_faults([req for req, _ in batch])
-            completions = self.model.generate([req for req, _ in batch], self._stamp)
+            completions = self.model.generate([req for req, _ in batch], on_token)
         finally:
             self.running = 0
         compute_s = time.monotonic() - started
@@ -244,6 +263,7 @@ class EngineCoreProc:
                 continue
             if isinstance(msg, proto.GenerateRequest):
                 self.waiting.append((msg, now))
+            # proto.Wake only had to end the poll: a DP peer has work, join the next step.
 
     def _reply(self, req: proto.GenerateRequest, **fields: Any) -> None:
         result = proto.GenerateResult(id=req.id, engine=self.config.name,
@@ -261,8 +281,103 @@ class EngineCoreProc:
 
 
 class DPEngineCoreProc(EngineCoreProc):
-    """A rank of a data-parallel group. Until torch.distributed groups land it runs one rank's
-    busy loop like EngineCoreProc; the daemon already gang-restarts the group."""
+    """One rank of a data-parallel group (torch.distributed: gloo on CPU, nccl on GPU).
+
+    Ranks step in lockstep while any of them has work: each iteration they agree (one
+    all_reduce) on the number of token steps to run and on whether anyone is stopping; ranks
+    with a batch generate it with one collective per token, idle ranks run that many dummy
+    steps. With no work anywhere they idle in the poll; a Wake from the daemon starts the next
+    step at once. A rank blocked in a collective reports `in_collective`, so a peer that froze
+    shows up as a stall on this side too.
+    """
+
+    def __init__(self, config: proto.EngineConfig, stop: _StopFlag | None = None) -> None:
+        if not config.rendezvous:
+            raise EngineConfigError("data-parallel rank without a rendezvous address")
+        super().__init__(config, stop)
+        self.idle_poll_ms = _DP_IDLE_POLL_MS
+        self.dist: Any = None
+        self._flags: Any = None
+        self._tokens_synced = 0
+
+    def build(self) -> None:
+        super().build()
+        self._join_group()
+
+    def _join_group(self) -> None:
+        cfg = self.config
+        self._progress("rendezvous", f"rank {cfg.rank}/{cfg.replicas} at {cfg.rendezvous}")
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if cfg.gpus else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{cfg.rendezvous}", rank=cfg.rank,
+                                world_size=cfg.replicas,
+                                timeout=datetime.timedelta(seconds=_DIST_TIMEOUT_S))
+        self.dist = dist
+        device = "cuda:0" if cfg.gpus else "cpu"
+        check = torch.ones(1, device=device)
+        dist.all_reduce(check)  # READY only once every peer answered a collective
+        if int(check.item()) != cfg.replicas:
+            raise RuntimeError(f"group check failed: {check.item()} != {cfg.replicas}")
+        self._flags = torch.zeros(2, dtype=torch.int64, device=device)
+        self._progress("group", f"{cfg.replicas} ranks joined ({backend})")
+
+    def iterate(self) -> bool:
+        batch = self.next_batch() if self.waiting else []
+        local_steps = max((req.max_tokens for req, _ in batch), default=0)
+        steps, stopping = self._agree(local_steps, self.stop.set)
+        if stopping:
+            self.waiting.extendleft(reversed(batch))  # answered "engine stopping" by the loop
+            return False
+        if batch:
+            self._tokens_synced = 0
+            self.step(batch, self._lockstep_token)
+            remaining = steps - self._tokens_synced  # peers' batches may run longer than ours
+        else:
+            remaining = steps
+        for _ in range(remaining):
+            self._dummy_step()
+        return True
+
+    def _agree(self, local_steps: int, stopping: bool) -> tuple[int, bool]:
+        self._flags[0], self._flags[1] = local_steps, int(stopping)
+        self._collective(self._flags)
+        return int(self._flags[0].item()), bool(self._flags[1].item())
+
+    def _collective(self, tensor: Any) -> None:
+        self.in_collective = True
+        try:
+            self.dist.all_reduce(tensor, op=self.dist.ReduceOp.MAX)
+        finally:
+            self.in_collective = False
+
+    def _lockstep_token(self) -> None:
+        self._sync_step()
+        self._tokens_synced += 1
+
+    def _dummy_step(self) -> None:
+        dummy = getattr(self.model, "dummy_step", None)
+        if dummy is not None:
+            dummy()
+        self._sync_step()
+
+    def _sync_step(self) -> None:
+        """The collective every rank's forward takes part in (as an MoE all-to-all would)."""
+        self._flags[0], self._flags[1] = 0, 0
+        self._collective(self._flags)
+        self._stamp()
+
+    def shutdown(self, reason: str) -> None:
+        if self.dist is not None and self.dist.is_initialized():
+            try:
+                self.dist.destroy_process_group()
+            except Exception as exc:  # noqa: BLE001 - a dead peer must not stop our cleanup
+                print(f"[cleanup] {self.config.name} destroy_process_group: {exc}",
+                      file=sys.stderr, flush=True)
+        super().shutdown(reason)
 
 
 def routing_id(name: str, incarnation: int) -> str:
@@ -301,7 +416,8 @@ class _HeartbeatThread(threading.Thread):
         hb = proto.Heartbeat(cfg.name, cfg.incarnation, seq, core.iteration,
                              core.last_iteration_at, len(core.waiting), core.running,
                              core.requests_ok, core.requests_failed,
-                             model.gpu_memory() if model is not None else [])
+                             model.gpu_memory() if model is not None else [],
+                             core.in_collective)
         try:
             self.sock.send(proto.encode(hb), zmq.NOBLOCK)
         except zmq.ZMQError:

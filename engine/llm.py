@@ -196,6 +196,13 @@ class HFModel:
             results.append((int(mask.sum()), new))
         return results
 
+    def dummy_step(self) -> None:
+        """A one-token forward: what an idle data-parallel rank runs while its peers work."""
+        torch = self.torch
+        token = torch.tensor([[self.tokenizer.bos_token_id or 0]], device=self.device)
+        with torch.inference_mode():
+            self.model(input_ids=token)
+
     def gpu_memory(self) -> list[GpuMemory]:
         from engine.protocol import GpuMemory
 

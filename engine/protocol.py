@@ -73,6 +73,7 @@ class Heartbeat(msgspec.Struct, tag="hb", frozen=True):
     requests_ok: int = 0
     requests_failed: int = 0
     gpu_memory: list[GpuMemory] = []
+    in_collective: bool = False  # a data-parallel rank blocked waiting for its peers
 
 
 class Goodbye(msgspec.Struct, tag="bye", frozen=True):
@@ -93,6 +94,11 @@ class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
     max_tokens: int = 16
 
 
+class Wake(msgspec.Struct, tag="wake", frozen=True):
+    """Sent to the other ranks of a data-parallel group when one rank gets work, so they join
+    the next lockstep step now instead of at the end of their idle poll."""
+
+
 class GenerateResult(msgspec.Struct, tag="result", frozen=True):
     id: str
     engine: str
@@ -106,7 +112,7 @@ class GenerateResult(msgspec.Struct, tag="result", frozen=True):
     error: str | None = None
 
 
-RequestMessage = GenerateRequest | GenerateResult
+RequestMessage = GenerateRequest | GenerateResult | Wake
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -126,6 +132,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     control_endpoint: str
     request_endpoint: str
     heartbeat_interval_s: float
+    rendezvous: str | None = None  # "host:port" of a data-parallel group's TCP store
 
 
 _control_encoder = msgspec.msgpack.Encoder()

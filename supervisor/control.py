@@ -129,13 +129,14 @@ class _Routes:
         if not isinstance(wait, bool):
             raise web.HTTPBadRequest(reason="'wait' must be true or false")
         timeout_s = _number(body, "timeout_s", DEFAULT_WAIT_S, 0, 86400)
+        fleet = self.ctx.fleet
         try:
-            handles = self.ctx.fleet.resolve(request.match_info["name"])
+            handles = fleet.resolve(request.match_info["name"])
         except UnknownEngine as exc:
             return _error(404, str(exc))
-        before = {h.name: (h.incarnation, h.pid is not None) for h in handles}
-        for handle in handles:
-            getattr(handle, action)()
+        before = {h.name: (h.incarnation, h.pid is not None)
+                  for h in (*handles, *(m for h in handles if h.gang for m in h.gang.members))}
+        handles = fleet.command(action, request.match_info["name"])
         results = await asyncio.gather(*(_settle(h, action, *before[h.name], wait, timeout_s)
                                          for h in handles))
         return web.json_response({"engines": results})
@@ -243,6 +244,9 @@ def engine_status(handle: EngineHandle, sample: Sample) -> dict[str, Any]:
         "heartbeat_age_s": (round(now - handle.last_heartbeat_at, 3)
                             if handle.last_heartbeat_at is not None and handle.pid else None),
         "phase": handle.phase, "model": spec.model.source,
+        # What the current incarnation's READY reported (None until it is READY).
+        "device": handle.ready_info.device if handle.ready_info else None,
+        "dtype": handle.ready_info.dtype if handle.ready_info else None,
         "restart_at": (time.time() + handle.restart_at - now
                        if handle.restart_at is not None else None),
         "fail_reason": handle.fail_reason or None,

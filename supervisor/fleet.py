@@ -8,6 +8,7 @@ import time
 from typing import Callable
 
 from engine import protocol as proto
+from supervisor.gang import GangGroup, new_rendezvous
 from supervisor.handle import Desired, EngineHandle, HandleDeps
 from supervisor.ipc import EngineChannels, RequestFailed, RequestTimeout
 from supervisor.policy import Reason
@@ -37,6 +38,8 @@ class Fleet:
         self.spec = spec
         self.make_handle = make_handle
         self.handles: dict[str, EngineHandle] = {e.name: make_handle(e) for e in spec.engines}
+        self.gangs: dict[str, GangGroup] = {}
+        self._rebuild_gangs()
         self._rr = 0
         self.retiring: dict[str, EngineHandle] = {}  # removed by a reload, still stopping
         self._retire_tasks: set[asyncio.Task[None]] = set()
@@ -58,6 +61,36 @@ class Fleet:
         if not members:
             raise UnknownEngine(name)
         return members
+
+    def command(self, action: str, name: str) -> list[EngineHandle]:
+        """start/stop/restart a replica, a group or `all`; data-parallel ranks act as a gang
+        (one rank cannot rejoin its group alone). Returns every handle affected."""
+        handles = self.resolve(name)
+        gangs = {h.gang.name: h.gang for h in handles if h.gang is not None}
+        handles = [h for h in handles if h.gang is None]
+        for gang in gangs.values():
+            handles.extend(gang.members)
+            if action == "restart":
+                gang.restart()
+            elif action == "start":
+                gang.start()
+        for handle in handles:
+            if handle.gang is None or action == "stop":
+                getattr(handle, action)()
+        return handles
+
+    def _rebuild_gangs(self) -> None:
+        """One GangGroup per data-parallel group, over its current replicas."""
+        old, self.gangs = self.gangs, {}
+        for handle in self.handles.values():
+            if not handle.spec.data_parallel:
+                handle.gang = None
+                continue
+            group = handle.spec.group
+            if group not in self.gangs:
+                self.gangs[group] = old.get(group) or GangGroup(group)
+                self.gangs[group].members = []
+            self.gangs[group].add(handle)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -84,16 +117,29 @@ class Fleet:
         for engine in plan.changed:
             handle = self.handles[engine.name]
             handle.spec = engine
-            if handle.desired is Desired.RUN:
+            if handle.desired is Desired.RUN and not engine.data_parallel:
                 handle.restart(Reason.RELOAD)
         for name in plan.removed:
             self._retire(self.handles.pop(name))
+        added = []
         for engine in plan.added:
             handle = self.make_handle(engine)
             self.handles[engine.name] = handle
-            handle.start_supervising()
+            added.append(handle)
         order = {e.name: i for i, e in enumerate(spec.engines)}
         self.handles = dict(sorted(self.handles.items(), key=lambda kv: order[kv[0]]))
+        self._rebuild_gangs()
+        # A changed data-parallel group restarts as a gang, with a fresh rendezvous, together
+        # with any ranks it gained.
+        touched = {e.group for e in (*plan.changed, *plan.added) if e.data_parallel}
+        for group in touched & set(self.gangs):
+            gang = self.gangs[group]
+            gang.rendezvous = new_rendezvous()
+            for member in gang.members:
+                if member not in added and member.desired is Desired.RUN:
+                    member.restart(Reason.RELOAD)
+        for handle in added:
+            handle.start_supervising()
 
     def _retire(self, handle: EngineHandle) -> None:
         """Stop a removed replica in the background and drop it once it is down."""
@@ -133,6 +179,10 @@ class Fleet:
     async def generate(self, channels: EngineChannels, prompt: str, max_tokens: int,
                        engine: str | None, timeout_s: float) -> proto.GenerateResult:
         handle = self.pick_engine(engine, channels)
+        if handle.gang is not None:  # its peers must join the lockstep step: wake them now
+            for peer in handle.gang.members:
+                if peer is not handle and peer.state is EngineState.READY:
+                    channels.wake(peer.name, peer.incarnation)
         try:
             result = await channels.generate(handle.name, handle.incarnation, prompt, max_tokens,
                                              timeout_s)

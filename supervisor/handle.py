@@ -16,15 +16,18 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from engine import protocol as proto
 from supervisor.launcher import Child, ExitRecord, Launcher
 from supervisor.logs import LogSink, PipeReader
-from supervisor.policy import (Action, FailureHistory, Liveness, Reason, check_liveness, decide,
-                               exit_reason)
+from supervisor.policy import (Action, Decision, FailureHistory, Liveness, Reason,
+                               check_liveness, decide, exit_reason)
 from supervisor.spec import EngineSpec
 from supervisor.state import EngineState, check_transition
+
+if TYPE_CHECKING:
+    from supervisor.gang import GangGroup
 
 log = logging.getLogger("engined.engine")
 
@@ -40,6 +43,7 @@ class Desired(enum.Enum):
 class Command(enum.Enum):
     STOP = "stop"
     RESTART = "restart"
+    GANG_STOP = "gang_stop"  # a data-parallel peer failed: stop, then wait for the gang
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,7 @@ class EngineHandle:
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.gang: GangGroup | None = None  # set for data-parallel ranks
 
     @property
     def name(self) -> str:
@@ -192,6 +197,7 @@ class EngineHandle:
         self._term_deadline = min(deadline, self._term_deadline or deadline)
         log.info("[stop] %s pid %d: SIGTERM to its process group", self.name, child.pid)
         child.signal_group(signal.SIGTERM)
+        child.signal_group(signal.SIGCONT)  # a stopped (SIGSTOP) process must see the SIGTERM
 
     def _escalate(self, child: Child, now: float) -> float:
         """SIGKILL once the stop deadline passes; return when to look again."""
@@ -224,7 +230,7 @@ class EngineHandle:
                         last_heartbeat_at=last_seen,
                         heartbeat_timeout_s=self.deps.heartbeat_timeout_s,
                         last_iteration_at=hb.last_iteration_at if hb else last_seen,
-                        work_queued=bool(hb and (hb.waiting or hb.running)),
+                        work_queued=bool(hb and (hb.waiting or hb.running or hb.in_collective)),
                         stall_timeout_s=self.spec.stall_timeout_s)
 
     # --- exit --------------------------------------------------------------------------------
@@ -244,8 +250,15 @@ class EngineHandle:
             self._set_state(EngineState.STOPPED)
             log.info("[stop] %s pid %d stopped (%s)", self.name, child.pid,
                      status.describe(unexpected=False))
+        elif requested is Command.GANG_STOP and self.gang is not None:
+            self._record_exit(record, Reason.GROUP, unexpected=False)
+            self.gang.member_down(self, Reason.GROUP, None, record.at_monotonic)
         elif requested is not None:  # a restart, or a stop overtaken by a start
             self._spawn_due = time.monotonic()
+        elif self.gang is not None:
+            reason = exit_reason(status, killed_for)
+            own = self.gang.member_down(self, reason, status, record.at_monotonic)
+            self._record_exit(record, own, killed_for is None)
         else:
             self._on_unexpected_exit(child, record, killed_for)
 
@@ -253,9 +266,7 @@ class EngineHandle:
                             killed_for: Reason | None) -> None:
         status = record.status
         reason = exit_reason(status, killed_for)
-        self.last_exit = LastExit(status.code, status.signal_name, reason.value, record.at_wall,
-                                  status.describe(killed_for is None),
-                                  self.log.tail_since(self._log_mark, EXIT_TAIL_LINES))
+        self._record_exit(record, reason, killed_for is None)
         decision, self.history = decide(
             record.at_monotonic, self.spec.restart, status, reason, self.history,
             self.ready_since, self.spec.backoff, self.spec.start_limit,
@@ -265,7 +276,30 @@ class EngineHandle:
                     status.describe(killed_for is None), reason.value,
                     self._decision_text(decision))
 
-    def _apply(self, decision, reason: Reason) -> None:
+    def _record_exit(self, record: ExitRecord, reason: Reason, unexpected: bool) -> None:
+        status = record.status
+        self.last_exit = LastExit(status.code, status.signal_name, reason.value, record.at_wall,
+                                  status.describe(unexpected),
+                                  self.log.tail_since(self._log_mark, EXIT_TAIL_LINES))
+
+    # --- data-parallel gang (driven by supervisor.gang.GangGroup) ------------------------------
+    def gang_stop(self) -> None:
+        """A peer failed: stop this rank (SIGTERM, stop_timeout, SIGKILL) and wait for the gang."""
+        if self.child is not None and self.child.alive and self.desired is Desired.RUN:
+            self._command = Command.GANG_STOP
+            self._wake.set()
+
+    def await_gang(self, reason: Reason) -> None:
+        """Down, waiting for the gang's decision; `reason` is counted if it restarts."""
+        self._spawn_due, self._pending_reason = None, reason
+        self._set_state(EngineState.BACKOFF)
+
+    def gang_apply(self, decision: Decision) -> None:
+        if self.desired is Desired.RUN:
+            self._apply(decision, self._pending_reason or Reason.GROUP)
+
+    def _apply(self, decision: Decision, reason: Reason) -> None:
+        self._wake.set()
         if decision.action is Action.RESTART:
             self._pending_reason = reason
             self._spawn_due = time.monotonic() + decision.delay_s
@@ -280,7 +314,7 @@ class EngineHandle:
             self._set_state(EngineState.STOPPED)
 
     @staticmethod
-    def _decision_text(decision) -> str:
+    def _decision_text(decision: Decision) -> str:
         if decision.action is Action.RESTART:
             return ("restarting now" if decision.delay_s == 0
                     else f"restarting in {decision.delay_s:.2f}s") + f" ({decision.why})"
@@ -394,4 +428,5 @@ class EngineHandle:
             max_batch_size=spec.max_batch_size, threads=spec.threads,
             control_endpoint=self.deps.control_endpoint,
             request_endpoint=self.deps.request_endpoint,
-            heartbeat_interval_s=self.deps.heartbeat_interval_s)
+            heartbeat_interval_s=self.deps.heartbeat_interval_s,
+            rendezvous=self.gang.rendezvous if self.gang is not None else None)

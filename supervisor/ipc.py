@@ -26,6 +26,7 @@ from engine import protocol as proto
 log = logging.getLogger("engined.ipc")
 
 _LOG_EVERY_S = 5.0
+_WAKE = proto.encode(proto.Wake())
 
 
 class RequestFailed(Exception):
@@ -160,6 +161,13 @@ class EngineChannels:
                     raise RequestFailed(f"cannot send to {identity.decode()}: {exc}") from None
                 await asyncio.sleep(0.01)
         raise RequestFailed(f"{identity.decode()} is not connected")
+
+    def wake(self, engine: str, incarnation: int) -> None:
+        """Best effort: end a data-parallel rank's idle poll so it joins its peers' next step."""
+        try:
+            self.requests.send_multipart([_route(engine, incarnation), _WAKE], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # not routable (yet): it joins at the end of its idle poll
 
     def fail_engine(self, engine: str, incarnation: int, reason: str) -> None:
         """The engine's incarnation is gone: fail its in-flight requests now, not at timeout."""
