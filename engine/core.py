@@ -302,6 +302,8 @@ class DPEngineCoreProc(EngineCoreProc):
 
     def build(self) -> None:
         super().build()
+        if self.faults and os.environ.get("ENGINED_FAULT_BUILD_RANK") == str(self.config.rank):
+            raise RuntimeError(f"fault injected: rank {self.config.rank} fails to build")
         self._join_group()
 
     def _join_group(self) -> None:

@@ -250,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engined: invalid fleet spec:\n{exc}", file=sys.stderr)
         return EXIT_CONFIG
     if args.check:
-        print(format_fleet(spec))
+        try:
+            print(format_fleet(spec))
+        except BrokenPipeError:  # `engined --check | head`
+            pass
         return EXIT_OK
     runtime_dir = resolve_runtime_dir(spec.supervisor.runtime_dir)
     lock = RuntimeLock(runtime_dir)

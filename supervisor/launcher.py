@@ -72,6 +72,7 @@ def child_environment(config: EngineConfig, extra: Mapping[str, str]) -> dict[st
     # Set before the interpreter starts, so before any CUDA call. No GPUs: hide them all, so a
     # CPU engine can never initialise CUDA on GPU 0 by accident.
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in config.gpus)
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices = nvidia-smi's = NVML's = ours
     env[ENV_CONFIG] = encode_config(config)
     env[ENV_PARENT_PID] = str(os.getpid())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, env.get("PYTHONPATH")) if p)

@@ -220,9 +220,10 @@ def test_format_fleet_http_off_and_ipv6() -> None:
 def test_default_fleet_file_loads() -> None:
     fleet = load_fleet(REPO / "etc" / "fleet.yaml")
     assert fleet.supervisor.http == ("127.0.0.1", 9400)
-    assert [e.name for e in fleet.engines] == ["echo-0", "echo-1"]
-    assert {e.model.source for e in fleet.engines} == {"builtin:echo"}
-    assert "echo-1" in format_fleet(fleet)
+    assert [e.name for e in fleet.engines] == ["tiny-0", "tiny-1"]
+    assert {e.model.source for e in fleet.engines} == {"builtin:tiny-llama"}
+    assert all(e.gpus == () and e.threads == 1 for e in fleet.engines)  # CPU, bounded threads
+    assert "tiny-1" in format_fleet(fleet)
 
 
 # supervisor.http -----------------------------------------------------------------------------------
