@@ -381,6 +381,11 @@ class EngineHandle:
     # --- messages from the child -------------------------------------------------------------
     def on_control(self, msg: proto.ControlMessage) -> bool:
         """Apply a control message; False (and counted) if it is from another incarnation."""
+        if isinstance(msg, proto.Goodbye) and 0 < msg.incarnation <= self.incarnation:
+            # A cleanup report may arrive after an immediate restart already began: it changes
+            # no state, so keep it (with its incarnation) rather than drop it as stale.
+            self.cleanup = {**msg.cleanup, "incarnation": float(msg.incarnation)}
+            return True
         if msg.incarnation != self.incarnation or self.child is None:
             self.stale_messages += 1
             return False
@@ -392,8 +397,6 @@ class EngineHandle:
             self._on_ready(msg, now)
         elif isinstance(msg, proto.Progress):
             self.phase = msg.phase
-        elif isinstance(msg, proto.Goodbye):
-            self.cleanup = dict(msg.cleanup)
         return True
 
     def _on_ready(self, msg: proto.Ready, now: float) -> None:

@@ -1,0 +1,310 @@
+"""End to end: the real daemon supervising real echo engines through crashes, signals and hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+
+from conftest import process_gone
+
+ECHO = {"name": "echo", "replicas": 1, "model": "builtin:echo"}
+HEARTBEAT_INTERVAL_S = 0.2  # the fixture's defaults
+HEARTBEAT_TIMEOUT_S = 1.5
+
+ENGINE_FIELDS = {"name", "group", "state", "pid", "incarnation", "restarts", "since", "startup_s",
+                 "heartbeat_age_s", "last_exit", "gpus", "rss_bytes", "gpu_memory"}
+SUPERVISOR_FIELDS = {"pid", "version", "uptime_s", "config", "generation"}
+
+
+def _table(stdout: str) -> dict[str, list[str]]:
+    """`enginectl status` rows by engine name (first column)."""
+    lines = stdout.strip().splitlines()
+    assert lines and lines[0].split()[:2] == ["NAME", "STATE"], stdout
+    return {cols[0]: cols for cols in (line.split() for line in lines[1:] if line.strip())}
+
+
+def test_fleet_ready_status_and_generate(engined):
+    d = engined([{**ECHO, "replicas": 2}])
+
+    table = d.ctl("status")
+    assert table.returncode == 0, table
+    rows = _table(table.stdout)
+    assert set(rows) == {"echo-0", "echo-1"}
+    assert all(cols[1] == "READY" for cols in rows.values()), table.stdout
+
+    js = d.ctl("status", "--json")
+    assert js.returncode == 0, js
+    data = json.loads(js.stdout)
+    sup = data["supervisor"]
+    assert SUPERVISOR_FIELDS <= set(sup), sup
+    assert sup["pid"] == d.pid
+    assert isinstance(sup["version"], str) and sup["version"]
+    assert sup["uptime_s"] >= 0
+    assert sup["config"] == str(d.spec_path)
+    assert sup["generation"] >= 1
+    assert [e["name"] for e in data["engines"]] == ["echo-0", "echo-1"]
+    for e in data["engines"]:
+        assert ENGINE_FIELDS <= set(e), sorted(ENGINE_FIELDS - set(e))
+        assert e["group"] == "echo" and e["state"] == "READY"
+        assert psutil.Process(e["pid"]).cmdline()[-2:] == ["-m", "engine"]
+        assert e["incarnation"] == 1 and e["restarts"] == 0 and e["last_exit"] is None
+        assert e["since"] <= time.time() and e["startup_s"] > 0
+        assert e["heartbeat_age_s"] is not None and e["heartbeat_age_s"] >= 0
+        assert e["gpus"] == [] and e["gpu_memory"] == []
+        assert e["rss_bytes"] > 0
+
+    assert d.ctl("status", "echo-0").returncode == 0
+    assert d.ctl("status", "echo").returncode == 0
+
+    out = d.ctl("generate", "hello engined")
+    assert out.returncode == 0, out
+    assert out.stdout.strip() == "hello engined"
+    out = d.ctl("generate", "--engine", "echo-1", "--max-tokens", "5", "abcdefgh")
+    assert (out.returncode, out.stdout.strip()) == (0, "abcde"), out
+
+    assert d.ctl("stop", "echo-1").returncode == 0
+    stopped = d.ctl("status", "echo-1")
+    assert stopped.returncode == 3, stopped
+    assert _table(stopped.stdout)["echo-1"][1] == "STOPPED"
+    assert d.ctl("status", "echo").returncode == 3  # a named group with a replica down
+    # Unnamed: an engine stopped on purpose does not count against the fleet.
+    assert d.ctl("status").returncode == 0
+
+
+def test_sigkill_child_is_restarted_with_new_pid(engined):
+    d = engined([ECHO])
+    old = d.engine("echo-0")
+    os.kill(old["pid"], signal.SIGKILL)
+    new = d.wait_restarted("echo-0", old["pid"])
+    assert process_gone(old["pid"])
+    assert new["restarts"] == 1
+    assert new["incarnation"] == old["incarnation"] + 1
+    last = new["last_exit"]
+    assert last["reason"] == "signal" and last["signal"] == "SIGKILL", last
+    assert last["code"] is None
+    table = d.ctl("status", "echo-0")
+    assert table.returncode == 0
+    assert "SIGKILL" in table.stdout
+
+
+def test_external_sigterm_child_exits_143_after_cleanup(engined):
+    d = engined([ECHO])
+    old = d.engine("echo-0")
+    os.kill(old["pid"], signal.SIGTERM)
+    new = d.wait_restarted("echo-0", old["pid"])
+    assert new["restarts"] == 1
+    last = new["last_exit"]
+    assert last["code"] == 143, last
+    assert last["signal"] == "SIGTERM" and last["reason"] == "signal", last
+    logs = d.ctl("logs", "echo-0", "-n", "200")
+    assert logs.returncode == 0, logs
+    assert f"[cleanup] echo-0 incarnation {old['incarnation']}" in logs.stdout, logs.stdout
+    assert any("[cleanup]" in line for line in last["log_tail"]), last["log_tail"]
+
+
+def test_sigstop_is_declared_hung_killed_and_restarted(engined):
+    d = engined([ECHO])
+    d.wait_state("echo-0", "READY", where=lambda e: e["heartbeat_age_s"] is not None)
+    asked_at = time.time()  # the daemon's last heartbeat came at or after asked_at - age
+    old = d.engine("echo-0")
+    stopped_at = time.time()
+    os.kill(old["pid"], signal.SIGSTOP)
+    try:
+        new = d.wait_restarted("echo-0", old["pid"])
+    finally:
+        if not process_gone(old["pid"]):
+            os.kill(old["pid"], signal.SIGKILL)
+    last = new["last_exit"]
+    assert last["reason"] == "hang", last
+    assert last["signal"] == "SIGKILL", last
+    assert process_gone(old["pid"])
+    detected_s = last["at"] - stopped_at
+    assert detected_s < HEARTBEAT_TIMEOUT_S + HEARTBEAT_INTERVAL_S + 1.0, detected_s
+    # Not before heartbeat_timeout after the last heartbeat the daemon had seen.
+    last_heartbeat_at = asked_at - old["heartbeat_age_s"]
+    assert last["at"] - last_heartbeat_at >= HEARTBEAT_TIMEOUT_S - 0.01, (last, old)
+    assert new["restarts"] == 1
+
+
+def test_stall_is_detected_and_the_request_fails(engined):
+    d = engined([ECHO], defaults={"stall_timeout": "1s"})
+    old = d.engine("echo-0")
+    gen = d.ctl_popen("generate", "--engine", "echo-0", "!stall", stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE)
+    try:
+        new = d.wait_restarted("echo-0", old["pid"])
+        out, err = gen.communicate(timeout=20)
+    finally:
+        if gen.poll() is None:
+            gen.kill()
+            gen.wait()
+    assert gen.returncode == 1, (out, err)
+    assert "echo-0" in err
+    last = new["last_exit"]
+    assert last["reason"] == "stall", last
+    assert last["signal"] == "SIGKILL"
+    assert new["restarts"] == 1
+    # The heartbeat thread was alive all along: this was a stall, not a hang.
+    assert d.ctl("generate", "--engine", "echo-0", "after").stdout.strip() == "after"
+
+
+def _spawn_and_exit_times(d, name: str) -> tuple[list[float], list[float]]:
+    spawns, exits = [], []
+    for at, _, msg in d.daemon_log():
+        if msg.startswith(f"[spawn] {name} "):
+            spawns.append(at)
+        elif msg.startswith(f"[exit] {name} "):
+            exits.append(at)
+    return spawns, exits
+
+
+def test_crash_loop_backs_off_then_fails_and_start_retries(engined):
+    bad = {"name": "bad", "replicas": 1, "model": "builtin:echo",
+           "env": {"ENGINED_ECHO_FAIL": "build"},
+           "backoff": {"initial": "0.2s", "factor": 2, "max": "5s", "jitter": 0},
+           "start_limit": {"burst": 4, "interval": "60s"}}
+    d = engined([bad], ready=False)
+    failed = d.wait_state("bad-0", "FAILED", timeout_s=30)
+
+    # burst 4: the 5th failure within the interval gives up.
+    assert failed["incarnation"] == 5, failed
+    assert failed["pid"] is None
+    assert failed["last_exit"]["code"] == 1 and failed["last_exit"]["reason"] == "exit"
+    assert any("echo build failed" in line for line in failed["last_exit"]["log_tail"])
+    log = d.log_text("bad-0")
+    assert log.count("spawned pid") == 5, log
+    assert "Traceback" in log and "RuntimeError: echo build failed" in log
+
+    spawns, exits = _spawn_and_exit_times(d, "bad-0")
+    assert len(spawns) == 5 and len(exits) == 5, d.stderr_text()
+    gaps = [b - a for a, b in zip(spawns, spawns[1:])]
+    # the backoff alone (exit -> next spawn): 0, 0.2, 0.4, 0.8 s
+    delays = [spawn - exit_ for exit_, spawn in zip(exits, spawns[1:])]
+    for k, (delay, expected) in enumerate(zip(delays, [0.0, 0.2, 0.4, 0.8])):
+        assert delay >= expected - 0.01, (k, delays)
+    assert all(b >= a for a, b in zip(delays, delays[1:])), delays
+    assert all(b >= a - 0.15 for a, b in zip(gaps, gaps[1:])), gaps  # startup time varies a little
+    assert gaps[2] >= 0.35, gaps
+
+    table = d.ctl("status")
+    assert table.returncode == 3
+    assert _table(table.stdout)["bad-0"][1] == "FAILED"
+    d.holds(lambda: d.engine("bad-0")["state"] == "FAILED", 0.5, "FAILED")
+
+    # FAILED means idle: no timers spinning, no respawns.
+    proc = psutil.Process(d.pid)
+    before = proc.cpu_times()
+    time.sleep(2.0)  # measuring an interval, not waiting for a condition
+    after = proc.cpu_times()
+    used = (after.user + after.system) - (before.user + before.system)
+    assert used < 0.2, used
+    assert d.engine("bad-0")["incarnation"] == 5
+
+    started = d.ctl("start", "bad-0", "--timeout", "60")
+    assert started.returncode == 1, started
+    assert "FAILED" in started.stdout + started.stderr
+    again = d.engine("bad-0")
+    assert again["state"] == "FAILED"
+    assert again["incarnation"] == 10, again  # a fresh start limit: five more tries
+    assert d.log_text("bad-0").count("spawned pid") == 10
+
+
+def test_exit_78_fails_at_once_without_restarts(engined):
+    conf = {"name": "conf", "replicas": 1, "model": "builtin:echo",
+            "env": {"ENGINED_ECHO_FAIL": "config"}}
+    d = engined([conf], ready=False, defaults={"backoff": {"initial": "0.1s"}})
+    failed = d.wait_state("conf-0", "FAILED")
+    d.holds(lambda: d.engine("conf-0")["incarnation"] == 1, 1.0, "a single spawn")
+    failed = d.engine("conf-0")
+    assert failed["state"] == "FAILED" and failed["pid"] is None
+    assert failed["restarts"] == 0
+    last = failed["last_exit"]
+    assert last["code"] == 78 and last["signal"] is None, last
+    assert any("echo config rejected" in line for line in last["log_tail"]), last["log_tail"]
+    assert d.log_text("conf-0").count("spawned pid") == 1
+    status = d.ctl("status", "conf-0")
+    assert status.returncode == 3
+    assert "echo config rejected" in status.stdout  # the kept log tail is shown
+
+    # An operator's restart tries once more; it fails the same way, and says so.
+    out = d.ctl("restart", "conf-0")
+    assert out.returncode == 1, out
+    assert "exit 78" in out.stdout, out
+    again = d.engine("conf-0")
+    assert again["state"] == "FAILED" and again["incarnation"] == 2
+
+
+def test_no_fd_leak_or_zombies_after_restart_cycles(engined):
+    d = engined([ECHO], defaults={
+        "backoff": {"initial": "0.05s", "max": "0.1s", "factor": 2, "jitter": 0},
+        "start_limit": {"burst": 100, "interval": "60s"}})
+    daemon = psutil.Process(d.pid)
+    d.status()
+    baseline = daemon.num_fds()
+    for cycle in range(10):
+        old = d.engine("echo-0")["pid"]
+        if cycle % 2:
+            assert d.ctl("restart", "echo-0").returncode == 0
+        else:
+            os.kill(old, signal.SIGKILL)
+        d.wait_restarted("echo-0", old)
+        assert process_gone(old)
+    d.wait_all_ready()
+    assert d.ctl("generate", "still alive").stdout.strip() == "still alive"
+    d.wait_for(lambda: daemon.num_fds() <= baseline + 2, 10,
+               f"daemon fds back near {baseline} (now {daemon.num_fds()})")
+    zombies = [c.pid for c in daemon.children() if c.status() == psutil.STATUS_ZOMBIE]
+    assert zombies == []
+    assert len(daemon.children()) == 1
+
+
+def test_startup_timeout_kills_and_a_stop_while_loading_is_prompt(engined):
+    slow = {"name": "slow", "replicas": 1, "model": "builtin:echo",
+            "env": {"ENGINED_ECHO_LOAD_S": "60"}, "startup_timeout": "1s",
+            "stop_timeout": "20s", "backoff": {"initial": "0.1s", "jitter": 0}}
+    d = engined([slow], ready=False)
+    first = d.wait_state("slow-0", "STARTING", where=lambda e: e["pid"] is not None)
+    again = d.wait_state("slow-0", "STARTING",
+                         where=lambda e: e["incarnation"] > first["incarnation"] and e["pid"])
+    last = again["last_exit"]
+    assert last["reason"] == "startup_timeout" and last["signal"] == "SIGKILL", last
+    assert process_gone(first["pid"])
+    assert again["restarts_by_reason"].get("startup_timeout") == 1, again
+
+    # A loading engine honours SIGTERM (it stops loading and cleans up): no stop_timeout wait.
+    pid = again["pid"]
+    began = time.monotonic()
+    out = d.ctl("stop", "slow-0")
+    assert out.returncode == 0, out
+    assert time.monotonic() - began < 10.0
+    stopped = d.engine("slow-0")
+    assert (stopped["state"], stopped["pid"]) == ("STOPPED", None)
+    assert process_gone(pid)
+    assert f"[cleanup] slow-0 incarnation {again['incarnation']}" in d.log_text("slow-0")
+
+
+def test_stop_during_backoff_cancels_the_pending_restart(engined):
+    bad = {"name": "bad", "replicas": 1, "model": "builtin:echo",
+           "env": {"ENGINED_ECHO_FAIL": "build"},
+           "backoff": {"initial": "30s", "max": "60s", "jitter": 0}}
+    d = engined([bad], ready=False)
+    backoff = d.wait_state("bad-0", "BACKOFF")
+    assert backoff["incarnation"] == 2  # the first restart was immediate, the second waits
+    assert backoff["restart_at"] > time.time() + 20, backoff
+    out = d.ctl("stop", "bad-0")
+    assert out.returncode == 0, out
+    stopped = d.engine("bad-0")
+    assert stopped["state"] == "STOPPED" and stopped["restart_at"] is None, stopped
+    out = d.ctl("start", "bad-0", "--no-wait")
+    assert out.returncode == 0, out
+    # A start resets the failure streak: the next try is at once, not after the 30 s backoff.
+    d.wait_for(lambda: d.engine("bad-0")["incarnation"] >= 3, 10, "an immediate retry")
+    out = d.ctl("restart", "bad-0", "--timeout", "1.5")
+    assert out.returncode == 1, out  # it cannot become READY: the wait times out
+    assert "not READY within 1.5s" in out.stdout, out
+    assert d.ctl("stop", "bad-0").returncode == 0
