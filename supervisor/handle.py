@@ -230,7 +230,7 @@ class EngineHandle:
                         last_heartbeat_at=last_seen,
                         heartbeat_timeout_s=self.deps.heartbeat_timeout_s,
                         last_iteration_at=hb.last_iteration_at if hb else last_seen,
-                        work_queued=bool(hb and (hb.waiting or hb.running or hb.in_collective)),
+                        work_queued=_busy(hb),
                         stall_timeout_s=self.spec.stall_timeout_s)
 
     # --- exit --------------------------------------------------------------------------------
@@ -391,8 +391,12 @@ class EngineHandle:
             return False
         now = time.monotonic()
         if isinstance(msg, proto.Heartbeat):
+            was_busy = _busy(self.heartbeat)
             self.last_heartbeat_at, self.heartbeat = now, msg
-            self._wake.set()
+            if _busy(msg) and not was_busy:
+                self._wake.set()  # the stall deadline may now come before the one it sleeps to
+            # Otherwise a heartbeat only moves deadlines later: the watcher re-checks at the old
+            # deadline with fresh data, and a fleet of idle engines costs no wake-ups.
         elif isinstance(msg, proto.Ready):
             self._on_ready(msg, now)
         elif isinstance(msg, proto.Progress):
@@ -433,3 +437,8 @@ class EngineHandle:
             request_endpoint=self.deps.request_endpoint,
             heartbeat_interval_s=self.deps.heartbeat_interval_s,
             rendezvous=self.gang.rendezvous if self.gang is not None else None)
+
+
+def _busy(hb: proto.Heartbeat | None) -> bool:
+    """Work queued or running, or blocked on DP peers: what makes a frozen loop a stall."""
+    return bool(hb and (hb.waiting or hb.running or hb.in_collective))
