@@ -139,7 +139,7 @@ class UnixHTTPConnection(http.client.HTTPConnection):
 SPEC = """\
 version: 1
 supervisor:
-  http: off
+  http: {http}
   runtime_dir: {runtime_dir}
   heartbeat_interval: 1s
   heartbeat_timeout: 10s
@@ -159,11 +159,11 @@ engines:
 class Engined:
     """One daemon in its own short runtime dir under /tmp (ZeroMQ ipc paths must stay short)."""
 
-    def __init__(self, replicas: int, tracker: Tracker) -> None:
+    def __init__(self, replicas: int, tracker: Tracker, http: str = "off") -> None:
         self.tracker = tracker
         self.dir = Path(tempfile.mkdtemp(prefix="eb", dir="/tmp"))
         self.spec_path = self.dir / "fleet.yaml"
-        self.spec_path.write_text(SPEC.format(runtime_dir=self.dir, replicas=replicas))
+        self.spec_path.write_text(SPEC.format(runtime_dir=self.dir, replicas=replicas, http=http))
         self.socket = str(self.dir / "control.sock")
         self.log_path = self.dir / "daemon.log"
         self.replicas = replicas
@@ -399,6 +399,7 @@ class Kill:
     exec_s: float | None = None  # the replacement exec'd (kernel event)
     exit_s: float | None = None  # the victim's last thread exited (kernel event)
     detect_s: float | None = None  # the exit time the supervisor itself recorded
+    notify_s: float | None = None  # a listener outside the supervisor was told (bench.compare)
     polls: int = 0
 
     def after(self, ts_ns: int) -> float:
@@ -469,9 +470,10 @@ def poll_cost_s() -> float:
     return (time.perf_counter() - started) / n
 
 
-def kill_once(supervisor_pid: int, victim: int, events: ProcEvents | None) -> Kill:
-    return (kill_and_read_events(supervisor_pid, victim, events) if events is not None
-            else kill_and_poll(supervisor_pid, victim))
+def kill_once(supervisor_pid: int, victim: int, events: ProcEvents | None,
+              timeout_s: float = 5.0) -> Kill:
+    return (kill_and_read_events(supervisor_pid, victim, events, timeout_s=timeout_s)
+            if events is not None else kill_and_poll(supervisor_pid, victim, timeout_s))
 
 
 def engined_kill_once(daemon: Engined, tracker: Tracker, events: ProcEvents | None) -> Kill:

@@ -277,6 +277,8 @@ def test_startup_timeout_kills_and_a_stop_while_loading_is_prompt(engined):
     assert again["restarts_by_reason"].get("startup_timeout") == 1, again
 
     # A loading engine honours SIGTERM (it stops loading and cleans up): no stop_timeout wait.
+    again = d.wait_state("slow-0", "STARTING", where=lambda e: e["incarnation"] == again[
+        "incarnation"] and e["phase"] == "weights")  # loading, its SIGTERM handler in place
     pid = again["pid"]
     began = time.monotonic()
     out = d.ctl("stop", "slow-0")
