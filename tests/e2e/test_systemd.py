@@ -218,7 +218,7 @@ def test_reload_applies_only_the_difference(engined):
     out = _reload(daemon)
     assert _line(out, "removed") == ["b-0"]
     daemon.wait_for(lambda: "b-0" not in daemon.engines(), 20, "b-0 gone from status")
-    assert conftest.process_gone(start["b-0"][0])
+    daemon.wait_for(lambda: conftest.process_gone(start["b-0"][0]), 20, "b-0's process gone")
     assert {n: _pids(daemon)[n] for n in ("a-0", "a-1")} == {n: start[n] for n in ("a-0", "a-1")}
 
     c_before = _pids(daemon)["c-0"]
@@ -246,7 +246,8 @@ def test_reload_resizes_a_group_without_touching_the_others(engined):
     assert _line(out, "removed") == ["a-1", "a-2"]
     daemon.wait_for(lambda: list(daemon.engines()) == ["a-0"], 20, "only a-0 left")
     assert _pids(daemon)["a-0"] == start["a-0"]
-    assert all(conftest.process_gone(three[n][0]) for n in ("a-1", "a-2"))
+    daemon.wait_for(lambda: all(conftest.process_gone(three[n][0]) for n in ("a-1", "a-2")), 20,
+                    "the removed replicas' processes gone")
 
 
 def test_invalid_spec_leaves_the_fleet_exactly_as_it_was(engined):
