@@ -122,9 +122,10 @@ class Client:
         """Turn socket-level failures into exit code 4 with a message naming the socket."""
         try:
             yield
-        except PermissionError as e:
-            raise CtlError(f"access denied by engined at {self.socket_path}: {_reason(e)}",
-                           EXIT_UNREACHABLE) from e
+        except PermissionError as e:  # the file system said no (socket 0600, directory 0700)
+            raise CtlError(f"access denied to engined's socket {self.socket_path}: {_reason(e)} "
+                           f"(only root and the user engined runs as may use it; "
+                           f"you are uid {os.getuid()})", EXIT_UNREACHABLE) from e
         except OSError as e:  # missing socket, refused, reset, timed out
             raise CtlError(f"cannot reach engined at {self.socket_path}: {_reason(e)} "
                            "(is engined running?)", EXIT_UNREACHABLE) from e

@@ -25,6 +25,7 @@ from supervisor.ipc import EngineChannels, RequestFailed
 from supervisor.reload import ReloadRejected
 from supervisor.sampler import Sample, Sampler
 from supervisor.state import EngineState
+from supervisor.webserver import CLIENT_TIMEOUT_S
 
 log = logging.getLogger("engined.control")
 
@@ -89,13 +90,31 @@ def make_app(ctx: ControlContext) -> web.Application:
 async def _json_body(request: web.Request) -> dict[str, Any]:
     if not request.can_read_body:
         return {}
+    if (request.content_length or 0) > MAX_BODY_BYTES:  # refuse now, not after waiting for it
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES,
+                                            actual_size=request.content_length)
     try:
-        body = json.loads(await request.read() or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise web.HTTPBadRequest(reason=f"malformed JSON body: {exc}") from None
+        raw = await asyncio.wait_for(request.read(), CLIENT_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise web.HTTPRequestTimeout(
+            reason=f"request body not received within {CLIENT_TIMEOUT_S:g}s") from None
+    try:
+        body = json.loads(raw or b"{}")
+    # ValueError: bad JSON, bad UTF-8, an integer past Python's digit limit; RecursionError:
+    # nesting deeper than the decoder's stack.
+    except (ValueError, RecursionError) as exc:
+        raise web.HTTPBadRequest(reason=f"malformed JSON body: {exc}"[:300]) from None
     if not isinstance(body, dict):
         raise web.HTTPBadRequest(reason="JSON body must be an object")
     return body
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _number(body: dict, key: str, default: float, low: float, high: float) -> float:
@@ -164,6 +183,9 @@ class _Routes:
         if not isinstance(prompt, str) or not prompt or len(prompt) > MAX_PROMPT_CHARS:
             return _error(400, f"'prompt' must be a non-empty string of at most "
                                f"{MAX_PROMPT_CHARS} characters")
+        if not _is_unicode(prompt):
+            return _error(400, "'prompt' must be valid Unicode (JSON allows lone surrogate "
+                               "escapes such as \\ud800; text cannot hold them)")
         if engine is not None and not isinstance(engine, str):
             return _error(400, "'engine' must be a string or null")
         max_tokens = int(_number(body, "max_tokens", 64, 1, 4096))

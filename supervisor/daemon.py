@@ -33,11 +33,16 @@ from supervisor.sampler import Sampler
 from supervisor.runtime import (RuntimeError_, RuntimeLock, prepare_runtime_dir,
                                 resolve_log_dir, resolve_runtime_dir)
 from supervisor.spec import FleetSpec, SpecError, format_fleet, load_fleet
+from supervisor.webserver import make_runner
 
 log = logging.getLogger("engined")
 
 EXIT_OK, EXIT_FATAL, EXIT_CONFIG = 0, 1, 78
 DEFAULT_CONFIG = "/etc/engined/fleet.yaml"
+# Open connections per HTTP server: enough for operators (`logs -f` followers included) and for
+# Prometheus and probes; past it a connection is closed on accept (supervisor.webserver).
+MAX_CONTROL_CONNECTIONS = 256
+MAX_HTTP_CONNECTIONS = 64
 
 
 class DaemonCommand(enum.Enum):
@@ -124,7 +129,7 @@ class Daemon:
         assert self.fleet is not None and self.channels is not None
         self.control = ControlContext(self.fleet, self.channels, self.sampler, self.config_path,
                                       reload=self.request_reload)
-        runner = web.AppRunner(make_app(self.control), handle_signals=False, access_log=None)
+        runner = make_runner(make_app(self.control), MAX_CONTROL_CONNECTIONS)
         await runner.setup()
         path = Path(self.spec.supervisor.control_socket or self.runtime_dir / "control.sock")
         path.unlink(missing_ok=True)  # stale from a dead daemon; we hold the lock
@@ -144,7 +149,7 @@ class Daemon:
         if address is None:
             return []
         endpoint = MetricsEndpoint(self.fleet, self.channels, self.sampler, self.ticker)
-        runner = web.AppRunner(endpoint.make_app(), handle_signals=False, access_log=None)
+        runner = make_runner(endpoint.make_app(), MAX_HTTP_CONNECTIONS)
         await runner.setup()
         try:
             await web.TCPSite(runner, address[0], address[1], reuse_address=True).start()

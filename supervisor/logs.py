@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import logging
 import os
 import time
@@ -41,10 +42,13 @@ class LogSink:
         self._file: int | None = None
         self._size = 0
         self._retry_at = 0.0
+        # lines_total when a write to the file last failed: until a full ring of lines has been
+        # written since, the file lacks some of the ring's lines and must not stand in for it.
+        self._unwritten_mark = -TAIL_LINES
 
     # --- input -------------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
-        self._write_file(data)
+        written = self._write_file(data)
         chunks = (self._partial + data).split(b"\n")
         self._partial = chunks.pop()
         if len(self._partial) > _MAX_LINE:  # a child writing without newlines: cut, keep going
@@ -52,6 +56,8 @@ class LogSink:
             self._partial = b""
         for raw in chunks:
             self._add_line(raw.decode("utf-8", "replace"))
+        if not written:
+            self._unwritten_mark = self.lines_total
 
     def flush_partial(self) -> None:
         if self._partial:
@@ -78,8 +84,9 @@ class LogSink:
         return lines[-limit:]
 
     def last_lines(self, count: int) -> list[str]:
-        """The last `count` lines, read from the file (and its backup) when the ring is short."""
-        if count <= len(self.ring):
+        """The last `count` lines, read from the file (and its backup) when the ring is short
+        and the file holds everything the ring does."""
+        if count <= len(self.ring) or self.lines_total - self._unwritten_mark < TAIL_LINES:
             return list(self.ring)[len(self.ring) - count:] if count else []
         lines: list[str] = []
         for path in (self.path.with_name(self.path.name + ".1"), self.path):
@@ -98,16 +105,24 @@ class LogSink:
         self.followers.discard(queue)
 
     # --- file --------------------------------------------------------------------------------
-    def _write_file(self, data: bytes) -> None:
+    def _write_file(self, data: bytes) -> bool:
+        """Append to the file; False if (some of) it could not be written."""
         if self._file is None and not self._open():
-            return
+            return False
         try:
             if self._size + len(data) > self.max_bytes:
                 self._rotate()
-            os.write(self._file, data)
-            self._size += len(data)
+            view = memoryview(data)
+            while view:  # a nearly full disk takes part of a write; the rest fails (ENOSPC)
+                written = os.write(self._file, view)
+                if written == 0:
+                    raise OSError(errno.ENOSPC, "short write")
+                self._size += written
+                view = view[written:]
         except OSError as exc:
             self._fail(exc)
+            return False
+        return True
 
     def _open(self) -> bool:
         now = time.monotonic()

@@ -304,38 +304,39 @@ def case_dir() -> Iterator[Path]:
         yield Path(tmp)
 
 
-def _run(case_dir: Path, data: bytes, subprocess_too: bool = False) -> None:
+def _run(case_dir: Path, data: bytes, subprocess_too: bool = False) -> str:
+    """Judge one case; returns a short label of the outcome (for hypothesis statistics)."""
     path = case_dir / "fleet.yaml"
     path.write_bytes(data)
     code, out, err = check_in_process(path)
     judge(path, code, out, err)
-    event(f"exit {code}" + (f": {err.splitlines()[1].split(': ')[1][:25]}" if code else ""))
     if subprocess_too:
         assert check_subprocess(path) == (code, out, err)
+    return f"exit {code}" + (f": {err.splitlines()[1].split(': ')[1][:25]}" if code else "")
 
 
 @settings(FUZZ, max_examples=IN_PROCESS_STRUCTURED)
 @given(structured_specs())
 def test_structured_mutations(case_dir: Path, data: bytes) -> None:
-    _run(case_dir, data)
+    event(_run(case_dir, data))
 
 
 @settings(FUZZ, max_examples=IN_PROCESS_TEXT)
 @given(text_mutated_specs())
 def test_text_mutations_and_yaml_oddities(case_dir: Path, data: bytes) -> None:
-    _run(case_dir, data)
+    event(_run(case_dir, data))
 
 
 @settings(FUZZ, max_examples=IN_PROCESS_BYTES)
 @given(RANDOM_BYTES)
 def test_random_bytes(case_dir: Path, data: bytes) -> None:
-    _run(case_dir, data)
+    event(_run(case_dir, data))
 
 
 @settings(FUZZ, max_examples=SUBPROCESS_CASES)
 @given(ANY_CASE)
 def test_real_engined_check_matches(case_dir: Path, data: bytes) -> None:
-    _run(case_dir, data, subprocess_too=True)
+    event(_run(case_dir, data, subprocess_too=True))
 
 
 # A fixed corpus of the classic YAML traps, each through the real executable.

@@ -1,0 +1,99 @@
+"""aiohttp server settings shared by both of the daemon's HTTP servers (the control socket and
+the TCP endpoint): client timeouts, a connection cap, and client errors logged without noise.
+
+A client (or anyone on the host, for the loopback TCP endpoint) must not be able to pin the
+daemon's resources: an unfinished request is cut off after CLIENT_TIMEOUT_S, and connections past
+a server's cap are closed as soon as they are accepted. Every connection is an fd, and a daemon out
+of fds cannot spawn engines, and libzmq aborts the whole process when its ipc listener cannot
+accept an engine's connection (EMFILE is not among the errors it tolerates).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_server import Server
+
+# A client must deliver a request's headers, and then its body, within this; a slow or stalled
+# client is cut off (408 or a closed connection) instead of holding a connection and an fd forever.
+CLIENT_TIMEOUT_S = 10.0
+# After answering a request whose body was not read (413, 408), read the rest only this long
+# before closing: long enough for a local client to see the answer.
+_LINGER_S = 2.0
+_CLIENT_ERROR_LOG_EVERY_S = 5.0
+
+
+def make_runner(app: web.Application, max_connections: int) -> web.AppRunner:
+    """An AppRunner with the timeouts, the connection cap and the quiet client-error log."""
+    # keepalive_timeout also bounds the wait for a first complete request (aiohttp arms it at
+    # accept): a client that sends half a request line is closed when it expires.
+    return CappedRunner(app, max_connections, handle_signals=False, access_log=None,
+                        keepalive_timeout=CLIENT_TIMEOUT_S, lingering_time=_LINGER_S,
+                        logger=ServerLog(logging.getLogger("engined.http")))
+
+
+class CappedRunner(web.AppRunner):
+    """Its sites accept at most `max_connections` at a time; the rest are closed at once."""
+
+    def __init__(self, app: web.Application, max_connections: int, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.max_connections = max_connections
+        self.refused = 0
+
+    @property
+    def server(self) -> Any:  # what sites use as their protocol factory
+        inner = super().server
+        return None if inner is None else _CappedFactory(inner, self)
+
+
+class _CappedFactory:
+    def __init__(self, inner: Server, runner: CappedRunner) -> None:
+        self.inner, self.runner = inner, runner
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        if len(self.inner.connections) >= self.runner.max_connections:
+            self.runner.refused += 1
+            return _Refuse()
+        return self.inner()
+
+
+class _Refuse(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+class ServerLog(logging.LoggerAdapter):
+    """aiohttp's server logger, minus the noise clients can cause.
+
+    aiohttp logs each malformed request and each client that hangs up mid-request as an ERROR
+    with a traceback. Those are the client's faults: they become one warning line at most every
+    few seconds (with a count), so garbage on a socket cannot flood the journal. Exceptions from
+    our own handlers keep their traceback.
+    """
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__(logger, {})
+        self._last_at = -_CLIENT_ERROR_LOG_EVERY_S
+        self._suppressed = 0
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
+        if exc is True or isinstance(exc, tuple):
+            exc = sys.exc_info()[1] if exc is True else exc[1]
+        if not isinstance(exc, (HttpProcessingError, ConnectionError)):
+            super().log(level, msg, *args, **kwargs)
+            return
+        now = time.monotonic()
+        if now - self._last_at < _CLIENT_ERROR_LOG_EVERY_S:
+            self._suppressed += 1
+            return
+        self.logger.warning("[http] bad request or lost client: %s (%d more since the last "
+                            "report)", " ".join(f"{type(exc).__name__}: {exc}".split())[:200],
+                            self._suppressed)
+        self._last_at, self._suppressed = now, 0
