@@ -32,7 +32,10 @@ pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a
 # prints the status line (to see the daemon's own 403, without enginectl in the way).
 _AS_OTHER_UID = f"""
 import os, socket, sys
+import argparse, gettext, http.client, json, shutil, textwrap  # noqa: F401
 import supervisor.cli
+# Everything is imported before dropping privileges: the interpreter's stdlib may live under a
+# directory the other uid cannot read (e.g. /root/.pyenv).
 os.setgroups([])
 os.setgid({OTHER_UID})
 os.setuid({OTHER_UID})
