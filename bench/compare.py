@@ -357,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             subjects += [Subject(CIRCUS, cc, lambda: circus_kill_once(cc, events, rng)),
                          Subject(CIRCUS_FAST, cf, lambda: circus_kill_once(cf, events, rng))]
         for s in subjects:
+            if hasattr(s.thing, "remove_dir") and hasattr(s.thing, "dir"):
+                dirs.append(s.thing.dir)  # removed at the end, whenever it stopped
             started.append(s.thing)
             s.thing.start()
         time.sleep(1.0)
@@ -399,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         res["fleet_start_s"] = time.monotonic() - t0
         for label, thing in fleets.items():
             if thing is not big:
+                if hasattr(thing, "dir"):
+                    dirs.append(thing.dir)
                 started.append(thing)
                 thing.start()
         time.sleep(3.0)  # last READY and spawns done, heartbeats flowing
