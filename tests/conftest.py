@@ -417,3 +417,24 @@ def engined(short_tmp: Path) -> Iterator[Callable[..., Daemon]]:
             daemon.dump()
     assert not problems, "; ".join(problems)
 
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A session-wide ENGINED_CACHE_DIR with the tiny-llama checkpoint built once, up front."""
+    cache = tmp_path_factory.mktemp("engined-cache")
+    env = {**_clean_env(), "ENGINED_CACHE_DIR": str(cache)}
+    done = subprocess.run(
+        [PYTHON, "-c", "from engine.llm import tiny_llama_dir; "
+                       "print(tiny_llama_dir(lambda phase, detail: None))"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (Path(done.stdout.strip()) / "config.json").is_file(), done.stdout
+    return cache
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_cache: Path) -> Path:
+    """The built checkpoint directory: a valid `{path: DIR}` model."""
+    (path,) = tiny_cache.glob("tiny-llama-*")
+    return path
