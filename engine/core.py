@@ -89,6 +89,7 @@ class EngineCoreProc:
         self._heartbeat: _HeartbeatThread | None = None
         self.idle_poll_ms = _IDLE_POLL_MS
         self.in_collective = False  # a DP rank waiting on its peers (stall detection counts it)
+        self._cleanup_announced = False
         # Test-only fault injection for any model (the echo engine always has it).
         self.faults = (os.environ.get("ENGINED_FAULT_INJECTION") == "1"
                        or config.model == "builtin:echo")
@@ -221,8 +222,16 @@ class EngineCoreProc:
         """Progress inside a long step (per token), so only a really stuck loop looks stalled."""
         self.last_iteration_at = time.monotonic()
 
+    def announce_cleanup(self, reason: str) -> None:
+        """Tell the daemon the silence that follows is a cleanup, not a hang (once)."""
+        if not self._cleanup_announced:
+            self._cleanup_announced = True
+            cfg = self.config
+            self._send(proto.Progress(cfg.name, cfg.incarnation, proto.PHASE_CLEANUP, reason))
+
     def shutdown(self, reason: str) -> None:
         """The `finally`: stop heartbeats, free the model, report what was freed, close sockets."""
+        self.announce_cleanup(reason)
         if self._heartbeat is not None:
             self._heartbeat.stop()
         report: dict[str, float] = {}
@@ -393,6 +402,7 @@ class DPEngineCoreProc(EngineCoreProc):
         self._stamp()
 
     def shutdown(self, reason: str) -> None:
+        self.announce_cleanup(reason)  # before a destroy that may wait on dead peers
         if self.dist is not None and self.dist.is_initialized():
             try:
                 self.dist.destroy_process_group()

@@ -8,6 +8,7 @@ chaos runs come from the child's environment (set through the spec's `env`):
 * ENGINED_ECHO_FAIL=build      — the build raises (a crash: exit 1, restarted with backoff)
 * ENGINED_ECHO_FAIL=config     — the build reports an invalid config (exit 78, FAILED at once)
 * ENGINED_ECHO_TOKEN_MS=MS     — time per generated token
+* ENGINED_ECHO_CLOSE_S=SECONDS — take this long to free the "model" in the child's cleanup
 * prompts `!stall` and `!raise` inject faults (see engine.core._inject_faults); for other models
   set ENGINED_FAULT_INJECTION=1 to enable them.
 """
@@ -94,6 +95,7 @@ class EchoModel:
         return []
 
     def close(self) -> dict[str, float]:
+        time.sleep(float(os.environ.get("ENGINED_ECHO_CLOSE_S", "0")))
         return {"model_freed": 1.0}
 
 

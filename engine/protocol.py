@@ -43,8 +43,13 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     pid: int
 
 
+PHASE_CLEANUP = "cleanup"
+
+
 class Progress(msgspec.Struct, tag="progress", frozen=True):
-    """Loading phases while STARTING (import, weights, warm-up, ...)."""
+    """Loading phases while STARTING (import, weights, warm-up, ...), and PHASE_CLEANUP when the
+    child enters its `finally` on its own: its heartbeats stop then, and the daemon gives the
+    cleanup stop_timeout (as for a requested stop) instead of declaring a hang."""
 
     engine: str
     incarnation: int

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import enum
 import logging
 import random
@@ -96,6 +97,7 @@ class EngineHandle:
         self.heartbeat: proto.Heartbeat | None = None
         self.ready_info: proto.Ready | None = None
         self.phase = ""
+        self.cleanup_at: float | None = None  # the child announced its cleanup (it is exiting)
         self.cleanup: dict[str, float] = {}
         self.stale_messages = 0
         self.cpu_seconds_exited = 0.0  # CPU of earlier incarnations, so the counter never resets
@@ -156,6 +158,7 @@ class EngineHandle:
         self.spawned_wall = time.time()
         self.heartbeat, self.ready_info, self.ready_since = None, None, None
         self.last_heartbeat_at, self.phase, self.restart_at = None, "spawned", None
+        self.cleanup_at = None
         self._set_state(EngineState.STARTING)
         self.log.note(f"spawned pid {self.child.pid} incarnation {self.incarnation}")
         log.info("[spawn] %s pid %d incarnation %d", self.name, self.child.pid, self.incarnation)
@@ -211,10 +214,16 @@ class EngineHandle:
 
     def _kill_for(self, child: Child, reason: Reason) -> None:
         age = time.monotonic() - (self.last_heartbeat_at or child.spawned_at)
+        if reason is Reason.STALL:
+            what = "loop progress"
+        elif reason is Reason.STARTUP_TIMEOUT:
+            what = "READY in time"
+        elif self.cleanup_at is not None:
+            what = "exit within stop_timeout of its cleanup"
+        else:
+            what = "heartbeat"
         log.warning("[%s] %s pid %d: no %s (last heartbeat %.1fs ago): SIGKILL to its group",
-                    reason.value, self.name, child.pid,
-                    "loop progress" if reason is Reason.STALL else "heartbeat"
-                    if reason is Reason.HANG else "READY in time", age)
+                    reason.value, self.name, child.pid, what, age)
         self._set_state(EngineState.STOPPING)
         self._term_deadline = time.monotonic() + _KILL_WAIT_S
         child.signal_group(signal.SIGKILL)
@@ -225,13 +234,20 @@ class EngineHandle:
         starting = self.state is EngineState.STARTING
         hb = self.heartbeat
         last_seen = self.last_heartbeat_at or child.spawned_at
-        return Liveness(starting=starting, spawned_at=child.spawned_at,
+        live = Liveness(starting=starting, spawned_at=child.spawned_at,
                         startup_timeout_s=self.spec.startup_timeout_s,
                         last_heartbeat_at=last_seen,
                         heartbeat_timeout_s=self.deps.heartbeat_timeout_s,
                         last_iteration_at=hb.last_iteration_at if hb else last_seen,
                         work_queued=_busy(hb),
                         stall_timeout_s=self.spec.stall_timeout_s)
+        if self.cleanup_at is None:
+            return live
+        # Exiting on its own (an exception, an external SIGTERM): its heartbeats stopped as its
+        # cleanup began, and a cleanup (CUDA release, gc) may outlast heartbeat_timeout. It gets
+        # stop_timeout from its announcement, as a requested stop would.
+        return dataclasses.replace(live, last_heartbeat_at=self.cleanup_at,
+                                   heartbeat_timeout_s=self.spec.stop_timeout_s, work_queued=False)
 
     # --- exit --------------------------------------------------------------------------------
     def _on_exit(self, child: Child, record: ExitRecord, killed_for: Reason | None,
@@ -401,6 +417,8 @@ class EngineHandle:
             self._on_ready(msg, now)
         elif isinstance(msg, proto.Progress):
             self.phase = msg.phase
+            if msg.phase == proto.PHASE_CLEANUP and self.cleanup_at is None:
+                self.cleanup_at = now  # only moves the hang deadline later: no wake-up needed
         return True
 
     def _on_ready(self, msg: proto.Ready, now: float) -> None:

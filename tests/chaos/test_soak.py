@@ -254,13 +254,16 @@ def _summary(soak: Soak, engines: dict[str, dict[str, Any]], fd_baseline: int, f
              elapsed_s: float) -> str:
     rows = [f"chaos soak: {len(engines)} engines, {elapsed_s:.0f}s of injection "
             f"(ENGINED_SOAK_S={SOAK_S:g}, seed {SEED})", "",
-            "| fault | reason | injected | detected | READY again | detect median s | "
-            "recover median s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+            "| fault | reason | injected (echo/tiny) | detected | READY again | "
+            "detect median s | recover median s |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for fault, reason in FAULTS.items():
         done = [i for i in soak.injections if i.fault == fault]
         det = [i.detected_at - i.at for i in done if i.detected_at is not None]
         rec = [i.ready_at - i.at for i in done if i.ready_at is not None]
-        rows.append(f"| {fault} | {reason} | {len(done)} | {len(det)} | {len(rec)} | "
+        tiny = sum(1 for i in done if engines[i.engine]["group"] == "tiny")
+        rows.append(f"| {fault} | {reason} | {len(done)} ({len(done) - tiny}/{tiny}) | "
+                    f"{len(det)} | {len(rec)} | "
                     f"{statistics.median(det) if det else 0:.2f} | "
                     f"{statistics.median(rec) if rec else 0:.2f} |")
     restarts: collections.Counter[str] = collections.Counter()
@@ -336,8 +339,10 @@ def test_chaos_soak(engined, tiny_cache: Path, capsys):
     for name, e in engines.items():
         expected = collections.Counter(FAULTS[i.fault] for i in soak.injections
                                        if i.engine == name)
+        timeline = [(round(i.at - began, 2), i.fault, i.incarnation, i.pid)
+                    for i in soak.injections if i.engine == name]
         assert e["restarts_by_reason"] == dict(expected), (name, e["restarts_by_reason"],
-                                                           expected)
+                                                           expected, timeline)
         assert e["restarts"] == sum(expected.values())
         assert e["incarnation"] == 1 + sum(expected.values()), e
     # No zombie children at any sample (one caught mid-reaping is re-checked a second later).
