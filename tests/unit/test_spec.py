@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor.spec import (
+from engined.supervisor.spec import (
     BackoffSpec,
     EngineSpec,
     ModelSpec,
@@ -555,3 +555,21 @@ def _accepts_or_spec_error(data: str | bytes) -> None:
        | st.lists(st.sampled_from(_FRAGMENTS) | st.text(max_size=4), max_size=30).map("".join))
 def test_fuzz_only_spec_error_escapes(data: str | bytes) -> None:
     _accepts_or_spec_error(data)
+
+
+def test_relative_paths_resolve_against_the_spec_files_directory(tmp_path: Path) -> None:
+    """Not against the daemon's working directory: that is `/` under systemd."""
+    spec = tmp_path / "conf" / "fleet.yaml"
+    spec.parent.mkdir()
+    spec.write_text("version: 1\nsupervisor: {runtime_dir: run, log_dir: ../logs, http: off}\n"
+                    "engines:\n  - {name: a, model: {path: models/x}}\n"
+                    "  - {name: b, model: {path: /abs/y}}\n  - {name: c, model: builtin:echo}\n")
+    fleet = load_fleet(spec)
+    a, b, c = fleet.engines
+    assert a.model.path == a.model.source == str(tmp_path / "conf" / "models" / "x")
+    assert b.model.path == "/abs/y" and c.model.path is None and c.model.source == "builtin:echo"
+    assert fleet.supervisor.runtime_dir == str(tmp_path / "conf" / "run")
+    assert fleet.supervisor.log_dir == str(tmp_path / "logs")
+    assert fleet.supervisor.control_socket is None
+    # text without a file keeps what was written
+    assert parse_fleet(spec.read_text()).engines[0].model.path == "models/x"

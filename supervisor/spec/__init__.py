@@ -1,0 +1,130 @@
+"""Fleet spec: read the YAML fleet file, validate it, resolve it into frozen dataclasses.
+
+Three stages, each raising one SpecError that lists every problem as "FILE:LINE: key.path: message":
+1. bytes -> text (size bound, strict UTF-8);                        (source)
+2. text -> plain values plus a key-path -> line map, by composing YAML nodes with a bounded
+   SafeLoader (depth and node-count limits, duplicate-key detection, basic scalar tags only);
+3. plain values -> FleetSpec (types, ranges, defaults merged, replicas expanded, cross checks).
+                                                                     (checks, resolve)
+Pure: no processes, no clock, no torch. Input is untrusted: nothing but SpecError escapes for any
+bytes (fuzzed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from engined.supervisor.spec.checks import (
+    BUILTIN_MODELS,
+    DEFAULT_HTTP,
+    ENGINE_ENV,
+    ENGINE_ENV_PREFIX,
+    MAX_DURATION_S,
+    MAX_GPU_INDEX,
+    RESERVED_ENV,
+    RESERVED_NAMES,
+    RESTART_POLICIES,
+    parse_duration,
+)
+from engined.supervisor.spec.format import format_fleet
+from engined.supervisor.spec.model import (
+    MAX_PROBLEMS,
+    BackoffSpec,
+    EngineSpec,
+    FleetSpec,
+    ModelSpec,
+    SpecError,
+    SpecProblem,
+    StartLimitSpec,
+    SupervisorSpec,
+)
+from engined.supervisor.spec.resolve import _resolve
+from engined.supervisor.spec.source import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES, _compose, _decode
+
+
+def load_fleet(path: str | os.PathLike[str]) -> FleetSpec:
+    """Read and resolve a fleet file; raises SpecError for anything wrong (an unreadable file
+    included)."""
+    source = os.fsdecode(os.fspath(path))
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)  # bounded: a spec path may name /dev/zero
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise SpecError(
+            [SpecProblem(source, "", None, f"cannot read fleet spec: {reason}")]
+        ) from None
+    return parse_fleet(data, source, base_dir=os.path.dirname(os.path.abspath(source)))
+
+
+def parse_fleet(
+    text: str | bytes, source: str = "<string>", base_dir: str | None = None
+) -> FleetSpec:
+    """Validate and resolve fleet-spec text; raises SpecError listing every problem.
+
+    Relative paths in the spec resolve against `base_dir` (the spec file's directory for
+    `load_fleet`), never against the daemon's working directory (`/` under systemd); without a
+    base they stay as written.
+    """
+    decoded = _decode(text, source)
+    root, lines = _compose(decoded, source)
+    fleet = _resolve(root, lines, source)
+    return fleet if base_dir is None else anchor_paths(fleet, base_dir)
+
+
+def anchor_paths(fleet: FleetSpec, base_dir: str) -> FleetSpec:
+    """The fleet with every relative path in it made absolute against `base_dir`."""
+
+    def anchor(path: str | None) -> str | None:
+        return path if path is None else _anchor(base_dir, path)
+
+    sup = fleet.supervisor
+    supervisor = dataclasses.replace(
+        sup,
+        control_socket=anchor(sup.control_socket),
+        runtime_dir=anchor(sup.runtime_dir),
+        log_dir=anchor(sup.log_dir),
+    )
+    engines = []
+    for engine in fleet.engines:
+        model = engine.model
+        if model.path is not None:
+            path = _anchor(base_dir, model.path)
+            model = dataclasses.replace(model, path=path, source=path)
+        engines.append(dataclasses.replace(engine, model=model))
+    return dataclasses.replace(fleet, supervisor=supervisor, engines=tuple(engines))
+
+
+def _anchor(base_dir: str, path: str) -> str:
+    return os.path.normpath(os.path.join(base_dir, path))
+
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "DEFAULT_HTTP",
+    "ENGINE_ENV",
+    "ENGINE_ENV_PREFIX",
+    "MAX_DEPTH",
+    "MAX_DURATION_S",
+    "MAX_GPU_INDEX",
+    "MAX_NODES",
+    "MAX_PROBLEMS",
+    "MAX_SPEC_BYTES",
+    "RESERVED_ENV",
+    "RESERVED_NAMES",
+    "RESTART_POLICIES",
+    "BackoffSpec",
+    "EngineSpec",
+    "FleetSpec",
+    "ModelSpec",
+    "SpecError",
+    "SpecProblem",
+    "StartLimitSpec",
+    "SupervisorSpec",
+    "anchor_paths",
+    "format_fleet",
+    "load_fleet",
+    "parse_duration",
+    "parse_fleet",
+]

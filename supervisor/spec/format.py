@@ -1,0 +1,91 @@
+"""`engined --check`'s listing of the resolved fleet."""
+
+from __future__ import annotations
+
+from engined.supervisor.spec.checks import _fmt_duration
+from engined.supervisor.spec.model import EngineSpec, FleetSpec, SupervisorSpec
+
+
+def format_fleet(fleet: FleetSpec) -> str:
+    """The resolved fleet as `engined --check` prints it."""
+    groups = fleet.groups()
+    out = [f"fleet {fleet.source}: {len(groups)} group(s), {len(fleet.engines)} replica(s)"]
+    out += _format_supervisor(fleet.supervisor)
+    out.append("engines:")
+    for engine in fleet.engines:
+        out += _format_engine(engine)
+    return "\n".join(out) + "\n"
+
+
+def _printable(text: str) -> str:
+    return text if text.isprintable() else repr(text)  # no terminal escapes from a spec
+
+
+def _format_supervisor(sup: SupervisorSpec) -> list[str]:
+    http = (
+        "off"
+        if sup.http is None
+        else (
+            f"[{sup.http[0]}]:{sup.http[1]}"
+            if ":" in sup.http[0]
+            else f"{sup.http[0]}:{sup.http[1]}"
+        )
+    )
+    rows = [
+        ("http", http),
+        (
+            "control_socket",
+            _printable(sup.control_socket)
+            if sup.control_socket
+            else "default (<runtime_dir>/control.sock)",
+        ),
+        (
+            "runtime_dir",
+            _printable(sup.runtime_dir)
+            if sup.runtime_dir
+            else "default ($RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/engined or /tmp/engined-<uid>)",
+        ),
+        (
+            "log_dir",
+            _printable(sup.log_dir)
+            if sup.log_dir
+            else "default ($LOGS_DIRECTORY or <runtime_dir>/logs)",
+        ),
+        (
+            "heartbeat",
+            f"every {_fmt_duration(sup.heartbeat_interval_s)}, "
+            f"timeout {_fmt_duration(sup.heartbeat_timeout_s)}",
+        ),
+    ]
+    return ["supervisor:"] + [f"  {key:<16}{value}" for key, value in rows]
+
+
+def _format_engine(e: EngineSpec) -> list[str]:
+    b, sl = e.backoff, e.start_limit
+    model = _printable(e.model.source) + (f" (dtype {e.model.dtype})" if e.model.dtype else "")
+    env = " ".join(_printable(f"{k}={v}") for k, v in e.env) or "-"
+    rows = [
+        ("model", model),
+        ("gpus", ",".join(map(str, e.gpus)) if e.gpus else "none (CPU)"),
+        ("restart", f"{e.restart}; start_limit {sl.burst} in {_fmt_duration(sl.interval_s)}"),
+        (
+            "timeouts",
+            f"startup {_fmt_duration(e.startup_timeout_s)}, "
+            f"stall {_fmt_duration(e.stall_timeout_s)}, "
+            f"stop {_fmt_duration(e.stop_timeout_s)}",
+        ),
+        (
+            "backoff",
+            f"initial {_fmt_duration(b.initial_s)}, max {_fmt_duration(b.max_s)}, "
+            f"factor {b.factor:g}, "
+            f"jitter {b.jitter:g}, reset after {_fmt_duration(b.reset_after_s)}",
+        ),
+        (
+            "batch",
+            f"max_batch_size {e.max_batch_size}, threads {e.threads}, "
+            f"data_parallel {'yes' if e.data_parallel else 'no'}",
+        ),
+        ("env", env),
+    ]
+    head = f"  {e.name}  (group {e.group}, rank {e.rank} of {e.replicas})"
+    return [head] + [f"    {key:<10}{value}" for key, value in rows]

@@ -1,0 +1,113 @@
+"""The resolved fleet: frozen dataclasses, and SpecError listing every problem found."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+MAX_PROBLEMS = 50  # a generated 40,000-key mapping should not print 40,000 lines
+
+
+@dataclass(frozen=True)
+class SpecProblem:
+    file: str
+    path: str  # "engines[1].gpus_per_replica"; "" for file-level problems (syntax, size)
+    line: int | None  # 1-based
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        text = f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
+        return text.replace("\n", " ")  # one problem, one line: callers grep and count them
+
+
+class SpecError(Exception):
+    """An invalid fleet spec; str() lists every problem, one per line."""
+
+    def __init__(self, problems: Iterable[SpecProblem]) -> None:
+        found = list(problems)
+        if len(found) > MAX_PROBLEMS:
+            more = len(found) - MAX_PROBLEMS
+            found = found[:MAX_PROBLEMS] + [
+                SpecProblem(found[0].file, "", None, f"... and {more} more problems")
+            ]
+        self.problems: list[SpecProblem] = found
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SpecError, (self.problems,))  # the default would rebuild from the joined text
+
+
+@dataclass(frozen=True)
+class BackoffSpec:
+    initial_s: float
+    max_s: float
+    factor: float
+    jitter: float
+    reset_after_s: float
+
+
+@dataclass(frozen=True)
+class StartLimitSpec:
+    burst: int
+    interval_s: float
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: str  # "builtin:echo", "builtin:tiny-llama" or the model directory
+    builtin: str | None  # "echo" / "tiny-llama" / None
+    path: str | None
+    dtype: str | None  # None = auto
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One replica, fully resolved (defaults merged)."""
+
+    name: str  # "tiny-0"
+    group: str  # "tiny"
+    rank: int
+    replicas: int
+    model: ModelSpec
+    gpus: tuple[int, ...]  # physical indices: this replica's share of the group's gpus
+    data_parallel: bool
+    max_batch_size: int
+    threads: int
+    env: tuple[tuple[str, str], ...]  # sorted
+    restart: str
+    backoff: BackoffSpec
+    start_limit: StartLimitSpec
+    startup_timeout_s: float
+    stall_timeout_s: float
+    stop_timeout_s: float
+
+
+@dataclass(frozen=True)
+class SupervisorSpec:
+    http: tuple[str, int] | None  # None: HTTP endpoint off
+    control_socket: str | None  # None: the daemon's default location
+    runtime_dir: str | None
+    log_dir: str | None
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    source: str
+    supervisor: SupervisorSpec
+    engines: tuple[EngineSpec, ...]  # every replica, in spec order
+
+    def groups(self) -> dict[str, tuple[EngineSpec, ...]]:
+        out: dict[str, list[EngineSpec]] = {}
+        for engine in self.engines:
+            out.setdefault(engine.group, []).append(engine)
+        return {group: tuple(members) for group, members in out.items()}
+
+    def engine(self, name: str) -> EngineSpec | None:
+        return next((e for e in self.engines if e.name == name), None)
+
+
+# ---------------------------------------------------------------------------------------------

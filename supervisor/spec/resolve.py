@@ -1,0 +1,374 @@
+"""Stage 3: plain values -> FleetSpec (types, ranges, defaults merged, replicas expanded, cross
+checks across engines)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engined.supervisor.spec.checks import (
+    _BAD,
+    _NAME_RE,
+    DEFAULT_HTTP,
+    MAX_GPU_INDEX,
+    RESERVED_NAMES,
+    RESTART_POLICIES,
+    _any_bad,
+    _bool,
+    _Check,
+    _duration,
+    _enum,
+    _env,
+    _factor,
+    _fmt_duration,
+    _gpus,
+    _http,
+    _int_in,
+    _jitter,
+    _Located,
+    _mapping,
+    _model,
+    _optional_text,
+    _Problems,
+    _unknown_keys,
+)
+from engined.supervisor.spec.model import (
+    BackoffSpec,
+    EngineSpec,
+    FleetSpec,
+    StartLimitSpec,
+    SupervisorSpec,
+)
+from engined.supervisor.spec.source import _describe, _join
+
+# Sections ------------------------------------------------------------------------------------
+
+_BACKOFF_CHECKS: dict[str, _Check] = {
+    "initial": _duration(positive=False),
+    "max": _duration(positive=False),
+    "factor": _factor,
+    "jitter": _jitter,
+    "reset_after": _duration(positive=False),
+}
+_START_LIMIT_CHECKS: dict[str, _Check] = {
+    "burst": _int_in(1, 1_000_000),
+    "interval": _duration(positive=True),
+}
+_NESTED: dict[str, dict[str, _Check]] = {
+    "backoff": _BACKOFF_CHECKS,
+    "start_limit": _START_LIMIT_CHECKS,
+}
+_SETTING_CHECKS: dict[str, _Check] = {
+    "restart": _enum(RESTART_POLICIES),
+    "startup_timeout": _duration(positive=True),
+    "stall_timeout": _duration(positive=True),
+    "stop_timeout": _duration(positive=True),
+    "model": _model,
+    "gpus": _gpus,
+    "gpus_per_replica": _int_in(0, MAX_GPU_INDEX + 1),
+    "data_parallel": _bool,
+    "max_batch_size": _int_in(1, 4096),
+    "threads": _int_in(1, 1024),
+    "env": _env,
+}
+_SETTING_KEYS = (*_SETTING_CHECKS, *_NESTED)
+_ENGINE_ONLY = ("name", "replicas")
+_BUILTIN_SETTINGS: dict[str, _Located] = {
+    key: (value, None)
+    for key, value in {
+        "restart": "always",
+        "startup_timeout": 600.0,
+        "stall_timeout": 60.0,
+        "stop_timeout": 30.0,
+        "gpus": (),
+        "gpus_per_replica": 0,
+        "data_parallel": False,
+        "max_batch_size": 8,
+        "threads": 1,
+        "env": (),
+        "backoff.initial": 1.0,
+        "backoff.max": 30.0,
+        "backoff.factor": 2.0,
+        "backoff.jitter": 0.1,
+        "backoff.reset_after": 60.0,
+        "start_limit.burst": 5,
+        "start_limit.interval": 120.0,
+    }.items()
+}
+_SUPERVISOR_CHECKS: dict[str, _Check] = {
+    "http": _http,
+    "control_socket": _optional_text,
+    "runtime_dir": _optional_text,
+    "log_dir": _optional_text,
+    "heartbeat_interval": _duration(positive=True),
+    "heartbeat_timeout": _duration(positive=True),
+}
+_SUPERVISOR_DEFAULTS: dict[str, Any] = {
+    "http": DEFAULT_HTTP,
+    "control_socket": None,
+    "runtime_dir": None,
+    "log_dir": None,
+    "heartbeat_interval": 1.0,
+    "heartbeat_timeout": 10.0,
+}
+
+
+def _resolve(root: Any, lines: Mapping[str, int], source: str) -> FleetSpec:
+    problems = _Problems()
+    if not isinstance(root, dict):
+        problems.add(
+            "",
+            "top level must be a mapping (version, supervisor, defaults, engines); "
+            f"got {_describe(root)}",
+        )
+        problems.raise_if_any(source, lines)
+    top: dict[str, Any] = root
+    _unknown_keys(problems, top, "", ("version", "supervisor", "defaults", "engines"))
+    _check_version(problems, top)
+    supervisor = _supervisor(problems, top.get("supervisor"))
+    defaults = _defaults(problems, top.get("defaults"))
+    engines = _engines(problems, top, defaults)
+    problems.raise_if_any(source, lines)
+    return FleetSpec(source=source, supervisor=supervisor, engines=engines)
+
+
+def _check_version(problems: _Problems, top: Mapping[str, Any]) -> None:
+    if "version" not in top:
+        problems.add("version", "required: add 'version: 1' at the top")
+    elif type(top["version"]) is not int or top["version"] != 1:
+        problems.add("version", f"must be 1, got {_describe(top['version'])}")
+
+
+def _supervisor(problems: _Problems, raw: Any) -> SupervisorSpec:
+    section = _mapping(problems, raw, "supervisor", null_ok=True) or {}
+    _unknown_keys(problems, section, "supervisor", _SUPERVISOR_CHECKS)
+    values = dict(_SUPERVISOR_DEFAULTS)
+    for key, check in _SUPERVISOR_CHECKS.items():
+        if key in section:
+            values[key] = check(problems, section[key], f"supervisor.{key}")
+    interval, timeout = values["heartbeat_interval"], values["heartbeat_timeout"]
+    if not _any_bad(interval, timeout) and timeout <= interval:
+        path = (
+            "supervisor.heartbeat_timeout"
+            if "heartbeat_timeout" in section
+            else "supervisor.heartbeat_interval"
+        )
+        problems.add(
+            path,
+            f"heartbeat_timeout ({_fmt_duration(timeout)}) must exceed "
+            f"heartbeat_interval ({_fmt_duration(interval)})",
+        )
+    return SupervisorSpec(
+        http=values["http"],
+        control_socket=values["control_socket"],
+        runtime_dir=values["runtime_dir"],
+        log_dir=values["log_dir"],
+        heartbeat_interval_s=interval,
+        heartbeat_timeout_s=timeout,
+    )
+
+
+def _defaults(problems: _Problems, raw: Any) -> dict[str, _Located]:
+    section = _mapping(problems, raw, "defaults", null_ok=True) or {}
+    hints = {key: f"{key!r} can only be set per engine, not in defaults" for key in _ENGINE_ONLY}
+    _unknown_keys(problems, section, "defaults", _SETTING_KEYS, hints)
+    return _settings(problems, section, "defaults")
+
+
+def _settings(problems: _Problems, section: Mapping[str, Any], path: str) -> dict[str, _Located]:
+    """The engine-level settings present in `section`, flattened ("backoff.initial") and located."""
+    out: dict[str, _Located] = {}
+    for key, check in _SETTING_CHECKS.items():
+        if key in section:
+            out[key] = (check(problems, section[key], _join(path, key)), _join(path, key))
+    for key, checks in _NESTED.items():
+        if key not in section:
+            continue
+        nested = _mapping(problems, section[key], _join(path, key), null_ok=True)
+        if nested is None:
+            continue
+        _unknown_keys(problems, nested, _join(path, key), checks)
+        for sub, check in checks.items():
+            if sub in nested:
+                sub_path = f"{_join(path, key)}.{sub}"
+                out[f"{key}.{sub}"] = (check(problems, nested[sub], sub_path), sub_path)
+    return out
+
+
+# Engines -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One validated `engines[i]` entry, before cross-engine checks."""
+
+    index: int
+    name: str
+    replicas: int
+    settings: dict[str, _Located]
+
+
+def _engines(
+    problems: _Problems, top: Mapping[str, Any], defaults: dict[str, _Located]
+) -> tuple[EngineSpec, ...]:
+    raw = top.get("engines")
+    if "engines" not in top or not isinstance(raw, list) or not raw:
+        got = "it is missing" if "engines" not in top else f"got {_describe(raw)}"
+        problems.add("engines", f"must be a non-empty list of engines; {got}")
+        return ()
+    groups = [_group(problems, item, i, defaults) for i, item in enumerate(raw)]
+    valid = [g for g in groups if g is not None]
+    _check_names(problems, valid)
+    _check_gpu_overlap(problems, valid)
+    if len(valid) != len(groups) or any(
+        _any_bad(*(v for v, _ in g.settings.values())) for g in valid
+    ):
+        return ()
+    return tuple(replica for g in valid for replica in _expand(g))
+
+
+def _group(
+    problems: _Problems, raw: Any, index: int, defaults: dict[str, _Located]
+) -> _Group | None:
+    path = f"engines[{index}]"
+    section = _mapping(problems, raw, path)
+    if section is None:
+        return None
+    _unknown_keys(problems, section, path, (*_SETTING_KEYS, *_ENGINE_ONLY))
+    name = _engine_name(problems, section.get("name"), f"{path}.name", "name" in section)
+    replicas = _int_in(1, 1024)(problems, section.get("replicas", 1), f"{path}.replicas")
+    settings = {**_BUILTIN_SETTINGS, **defaults, **_settings(problems, section, path)}
+    if "model" not in settings:
+        problems.add(
+            f"{path}.model", "required: 'builtin:echo', 'builtin:tiny-llama' or {path: DIR}"
+        )
+        settings["model"] = (_BAD, None)
+    _check_backoff(problems, settings, path)
+    if replicas is not _BAD:
+        _check_gpu_split(problems, settings, replicas, path)
+    if _any_bad(name, replicas):
+        return None
+    return _Group(index=index, name=name, replicas=replicas, settings=settings)
+
+
+def _engine_name(problems: _Problems, value: Any, path: str, present: bool) -> Any:
+    if not present:
+        return problems.add(path, "required: each engine needs a name")
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        return problems.add(path, f"must match [a-z0-9][a-z0-9_.-]{{0,62}}, got {_describe(value)}")
+    if value in RESERVED_NAMES:
+        return problems.add(path, f"{value!r} is reserved (enginectl uses it for every engine)")
+    return value
+
+
+def _blame(engine_path: str, *located: _Located) -> str | None:
+    """Where to report a cross-field problem: a value this engine set, else the first one set
+    at all."""
+    paths = [path for _, path in located if path is not None]
+    return next((p for p in paths if p.startswith(engine_path + ".")), paths[0] if paths else None)
+
+
+def _check_backoff(problems: _Problems, s: dict[str, _Located], path: str) -> None:
+    initial, maximum = s["backoff.initial"], s["backoff.max"]
+    if _any_bad(initial[0], maximum[0]) or maximum[0] >= initial[0]:
+        return
+    # blame is never None here: the built-in defaults are consistent, so someone set one of them
+    problems.add(
+        _blame(path, maximum, initial) or path,
+        f"backoff.max ({_fmt_duration(maximum[0])}) must be "
+        f">= backoff.initial ({_fmt_duration(initial[0])})",
+    )
+
+
+def _check_gpu_split(problems: _Problems, s: dict[str, _Located], replicas: int, path: str) -> None:
+    (gpus, gpus_at), (per, per_at) = s["gpus"], s["gpus_per_replica"]
+    if _any_bad(gpus, per):
+        return
+    # these depend on this engine's replicas: name the engine when the value came from defaults
+    per_at = per_at or f"{path}.gpus_per_replica"
+    gpus_at = gpus_at or f"{path}.gpus"
+    suffix = lambda at: "" if at.startswith(path + ".") else f" (for {path})"  # noqa: E731
+    if gpus and per == 0:
+        problems.add(
+            per_at,
+            f"gpus_per_replica must be >= 1 when gpus are listed ({len(gpus)} given)"
+            f"{suffix(per_at)}",
+        )
+    elif not gpus and per > 0:
+        problems.add(per_at, f"gpus_per_replica is {per} but no gpus are listed{suffix(per_at)}")
+    elif gpus and len(gpus) != replicas * per:
+        problems.add(
+            gpus_at,
+            f"{len(gpus)} gpus listed, but replicas ({replicas}) x gpus_per_replica ({per}) "
+            f"= {replicas * per}{suffix(gpus_at)}",
+        )
+
+
+def _check_names(problems: _Problems, groups: list[_Group]) -> None:
+    """Engine names must be unique, and so must every NAME enginectl accepts (group or replica)."""
+    first: dict[str, int] = {}
+    taken: dict[str, tuple[int, str]] = {}  # name -> (engine index, what it names)
+    for g in groups:
+        path = f"engines[{g.index}].name"
+        if g.name in first:
+            problems.add(path, f"duplicate engine name {g.name!r} (also engines[{first[g.name]}])")
+            continue
+        first[g.name] = g.index
+        names = [(g.name, f"engine {g.name!r}")]
+        names += [(f"{g.name}-{r}", f"replica {g.name}-{r}") for r in range(g.replicas)]
+        for name, what in names:
+            if name in taken and taken[name][0] != g.index:
+                other_index, other = taken[name]
+                problems.add(path, f"{what} collides with {other} of engines[{other_index}]")
+            taken.setdefault(name, (g.index, what))
+
+
+def _check_gpu_overlap(problems: _Problems, groups: list[_Group]) -> None:
+    owner: dict[int, _Group] = {}
+    for g in groups:
+        gpus, gpus_path = g.settings["gpus"]
+        if gpus is _BAD:
+            continue
+        for i, gpu in enumerate(gpus):
+            other = owner.setdefault(gpu, g)
+            if other is not g:
+                problems.add(
+                    f"{gpus_path or f'engines[{g.index}].gpus'}[{i}]",
+                    f"GPU {gpu} is used by both engine {other.name!r} (engines[{other.index}]) "
+                    f"and engine {g.name!r} (engines[{g.index}])",
+                )
+
+
+def _expand(g: _Group) -> list[EngineSpec]:
+    s = {key: value for key, (value, _) in g.settings.items()}
+    backoff = BackoffSpec(
+        initial_s=s["backoff.initial"],
+        max_s=s["backoff.max"],
+        factor=s["backoff.factor"],
+        jitter=s["backoff.jitter"],
+        reset_after_s=s["backoff.reset_after"],
+    )
+    start_limit = StartLimitSpec(burst=s["start_limit.burst"], interval_s=s["start_limit.interval"])
+    per = s["gpus_per_replica"]
+    return [
+        EngineSpec(
+            name=f"{g.name}-{rank}",
+            group=g.name,
+            rank=rank,
+            replicas=g.replicas,
+            model=s["model"],
+            gpus=tuple(s["gpus"][rank * per : (rank + 1) * per]),
+            data_parallel=s["data_parallel"],
+            max_batch_size=s["max_batch_size"],
+            threads=s["threads"],
+            env=s["env"],
+            restart=s["restart"],
+            backoff=backoff,
+            start_limit=start_limit,
+            startup_timeout_s=s["startup_timeout"],
+            stall_timeout_s=s["stall_timeout"],
+            stop_timeout_s=s["stop_timeout"],
+        )
+        for rank in range(g.replicas)
+    ]
