@@ -1,10 +1,10 @@
-"""`python -m engine`: the exec entry of an engine-core child. The config comes in ENGINED_CONFIG."""
+"""`python -m engined.engine`: the exec entry of an engine-core child (config in ENGINED_CONFIG)."""
 
 import os
 import sys
 
-from engine.core import EngineCoreProc
-from engine.protocol import ENV_CONFIG
+from engined.engine.contract import ENV_CONFIG
+from engined.engine.core import EngineCoreProc
 
 if __name__ == "__main__":
     if ENV_CONFIG not in os.environ:

@@ -1,10 +1,11 @@
 """The engine-core child process.
 
-The daemon execs ``python -m engine``, which calls the static entry point
+The daemon execs ``python -m engined.engine``, which calls the static entry point
 ``EngineCoreProc.run_engine_core(config)``. Everything heavy (torch, transformers, the model) is
 built lazily here, inside the child, never in the daemon. The lifecycle:
 
-    HELLO -> Progress(phase...) -> READY -> busy loop (+ heartbeat thread) -> finally: cleanup, GOODBYE
+    HELLO -> Progress(phase...) -> READY -> busy loop (+ heartbeat thread)
+          -> finally: cleanup, GOODBYE
 
 Exit codes (DESIGN): 0 clean, 78 invalid engine config/model, 128+N after signal N, 1 crash.
 """
@@ -26,8 +27,9 @@ from typing import Any, Callable, NoReturn
 import msgspec
 import zmq
 
-from engine import protocol as proto
-from engine.models import EngineConfigError, Model, build_model
+from engined.engine import contract
+from engined.engine import protocol as proto
+from engined.engine.models import EngineConfigError, Model, build_model
 
 _PR_SET_PDEATHSIG = 1
 _IDLE_POLL_MS = 500  # idle wake-up; a signal wakes the loop at once through the wakeup fd
@@ -50,7 +52,7 @@ def _die_with_parent() -> None:
     """
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    parent = os.environ.get(proto.ENV_PARENT_PID)
+    parent = os.environ.get(contract.ENV_PARENT_PID)
     if parent is not None and os.getppid() != int(parent):
         os._exit(1)  # the daemon died before the prctl took effect
 
@@ -77,7 +79,7 @@ class EngineCoreProc:
         self.config = copy.deepcopy(config)
         self.stop = stop or _StopFlag()
         self.model: Model | None = None
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.control = self._socket(zmq.PUSH, config.control_endpoint)
         self.requests = self._socket(zmq.DEALER, config.request_endpoint, identity=True)
         self.waiting: collections.deque[tuple[proto.GenerateRequest, float]] = collections.deque()
@@ -102,7 +104,7 @@ class EngineCoreProc:
         stop = _StopFlag()
         signal.signal(signal.SIGTERM, stop.handler)
         signal.signal(signal.SIGINT, stop.handler)
-        code = proto.EXIT_OK
+        code = contract.EXIT_OK
         core: EngineCoreProc | None = None
         try:
             cfg = _coerce_config(config)
@@ -110,17 +112,17 @@ class EngineCoreProc:
             core.run()
         except (EngineConfigError, msgspec.ValidationError) as exc:
             print(f"[config] invalid engine config: {exc}", file=sys.stderr, flush=True)
-            code = proto.EXIT_CONFIG
+            code = contract.EXIT_CONFIG
         except StopRequested:
             pass
         except BaseException:  # noqa: BLE001 - the crash is logged, then reported by exit code
             traceback.print_exc()
-            code = 1
+            code = contract.EXIT_FAILURE
         finally:
             if core is not None:
                 core.shutdown(reason=_exit_reason(code, stop))
-        if code == proto.EXIT_OK and stop.set:
-            code = proto.EXIT_SIGNAL_BASE + stop.signum
+        if code == contract.EXIT_OK and stop.signum is not None:
+            code = contract.EXIT_SIGNAL_BASE + stop.signum
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -132,10 +134,10 @@ class EngineCoreProc:
         started = time.monotonic()
         self.build()
         assert self.model is not None
-        self._send_hello_on_requests()
         load_s = time.monotonic() - started
-        self._send(proto.Ready(cfg.name, cfg.incarnation, load_s, self.model.device,
-                               cfg.model, self.model.dtype, self.model.gpu_memory()))
+        # READY goes where requests flow: when the daemon reads it, it can route to us.
+        self._send_requests(proto.Ready(cfg.name, cfg.incarnation, load_s, self.model.device,
+                                        cfg.model, self.model.dtype, self.model.gpu_memory()))
         print(f"[ready] {cfg.name} incarnation {cfg.incarnation} loaded in {load_s:.3f}s "
               f"on {self.model.device}", file=sys.stderr, flush=True)
         self._heartbeat = _HeartbeatThread(self)
@@ -183,7 +185,7 @@ class EngineCoreProc:
         deadline = time.monotonic() + _COALESCE_MAX_S
         while len(self.waiting) < self.config.max_batch_size and not self.stop.set:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.requests.poll(min(_COALESCE_GAP_S, left) * 1000):
+            if left <= 0 or not self.requests.poll(int(min(_COALESCE_GAP_S, left) * 1000) or 1):
                 return
             self._take_requests()
 
@@ -257,7 +259,7 @@ class EngineCoreProc:
         sock.setsockopt(zmq.SNDHWM, 10_000)
         if identity:
             sock.setsockopt(zmq.IDENTITY,
-                            routing_id(self.config.name, self.config.incarnation).encode())
+                            contract.routing_id(self.config.name, self.config.incarnation))
         sock.connect(endpoint)
         return sock
 
@@ -266,10 +268,6 @@ class EngineCoreProc:
             self.control.send(proto.encode(message), zmq.NOBLOCK)
         except zmq.Again:
             pass  # the daemon is not reading (gone or overloaded); heartbeats are best effort
-
-    def _send_hello_on_requests(self) -> None:
-        # The first frame on the DEALER teaches the daemon's ROUTER our routing identity.
-        self.requests.send(b"")
 
     def _progress(self, phase: str, detail: str = "") -> None:
         if self.stop.set:
@@ -295,12 +293,14 @@ class EngineCoreProc:
             # proto.Wake only had to end the poll: a DP peer has work, join the next step.
 
     def _reply(self, req: proto.GenerateRequest, **fields: Any) -> None:
-        result = proto.GenerateResult(id=req.id, engine=self.config.name,
-                                      incarnation=self.config.incarnation, **fields)
+        self._send_requests(proto.GenerateResult(id=req.id, engine=self.config.name,
+                                                 incarnation=self.config.incarnation, **fields))
+
+    def _send_requests(self, message: msgspec.Struct) -> None:
         try:
-            self.requests.send(proto.encode(result), zmq.NOBLOCK)
+            self.requests.send(proto.encode(message), zmq.NOBLOCK)
         except zmq.Again:
-            pass
+            pass  # the daemon is gone or not reading; it fails the request itself
 
     def _abort_waiting(self, error: str) -> None:
         while self.waiting:
@@ -412,10 +412,6 @@ class DPEngineCoreProc(EngineCoreProc):
         super().shutdown(reason)
 
 
-def routing_id(name: str, incarnation: int) -> str:
-    return f"{name}:{incarnation}"
-
-
 class _HeartbeatThread(threading.Thread):
     """Sends heartbeats with the busy loop's progress stamp from its own socket.
 
@@ -433,19 +429,17 @@ class _HeartbeatThread(threading.Thread):
         self.sock.connect(core.config.control_endpoint)
 
     def run(self) -> None:
-        seq = 0
         interval_s = self.core.config.heartbeat_interval_s
         while True:
-            self._beat(seq)
-            seq += 1
+            self._beat()
             if self._stopped.wait(interval_s):
                 break
         self.sock.close(linger=0)
 
-    def _beat(self, seq: int) -> None:
+    def _beat(self) -> None:
         core, cfg = self.core, self.core.config
         model = core.model
-        hb = proto.Heartbeat(cfg.name, cfg.incarnation, seq, core.iteration,
+        hb = proto.Heartbeat(cfg.name, cfg.incarnation, core.iteration,
                              core.last_iteration_at, len(core.waiting), core.running,
                              core.requests_ok, core.requests_failed,
                              model.gpu_memory() if model is not None else [],
@@ -483,9 +477,9 @@ def _core_class(config: proto.EngineConfig) -> type[EngineCoreProc]:
 
 
 def _exit_reason(code: int, stop: _StopFlag) -> str:
-    if stop.set:
+    if stop.signum is not None:
         return f"signal {signal.Signals(stop.signum).name}"
-    return {proto.EXIT_OK: "clean", proto.EXIT_CONFIG: "config"}.get(code, "exception")
+    return {contract.EXIT_OK: "clean", contract.EXIT_CONFIG: "config"}.get(code, "exception")
 
 
 def _inject_faults(batch: list[proto.GenerateRequest]) -> None:

@@ -19,10 +19,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from engine.models import Completion, EngineConfigError, ProgressFn
+from engined.engine.models import Completion, EngineConfigError, ProgressFn
 
 if TYPE_CHECKING:
-    from engine.protocol import EngineConfig, GenerateRequest, GpuMemory
+    from engined.engine.protocol import EngineConfig, GenerateRequest, GpuMemory
 
 TINY_LLAMA_VERSION = "v1"  # bump when the recipe below changes: a new cache directory is built
 _SPECIALS = ("<pad>", "<s>", "</s>")
@@ -146,7 +146,8 @@ def _load(path: Path, dtype: Any, device: str) -> tuple[Any, Any]:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                          local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise EngineConfigError(f"cannot load model from {path}: {exc}") from None
     tokenizer.padding_side = "left"  # decoder-only batching: pad on the left
@@ -204,7 +205,7 @@ class HFModel:
             self.model(input_ids=token)
 
     def gpu_memory(self) -> list[GpuMemory]:
-        from engine.protocol import GpuMemory
+        from engined.engine.protocol import GpuMemory
 
         cuda = self.torch.cuda
         if not self.gpus or not cuda.is_initialized():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
-    from engine.protocol import EngineConfig, GenerateRequest, GpuMemory
+    from engined.engine.protocol import EngineConfig, GenerateRequest, GpuMemory
 
 ProgressFn = Callable[[str, str], None]
 
@@ -56,7 +56,9 @@ def build_model(config: EngineConfig, progress: ProgressFn) -> Model:
         return EchoModel.build(progress)
     if config.model.startswith("builtin:") and config.model != "builtin:tiny-llama":
         raise EngineConfigError(f"unknown builtin model {config.model!r}")
-    from engine.llm import build_hf_model  # torch and transformers load here, in the child only
+    from engined.engine.llm import (
+        build_hf_model,  # torch and transformers load here, in the child only
+    )
 
     return build_hf_model(config, progress)
 

@@ -2,12 +2,14 @@
 
 Two ZeroMQ channels, both bound by the daemon so children never fight over ports:
 
-* control: each child PUSHes Hello / Progress / Ready / Heartbeat / Goodbye to the daemon's PULL
-  socket. Heartbeats come from a dedicated thread in the child, so they never queue behind
-  request traffic, and they carry the busy loop's progress stamp so a live thread cannot hide a
-  stuck loop.
+* control: each child PUSHes Hello / Progress / Heartbeat / Goodbye to the daemon's PULL socket.
+  Heartbeats come from a dedicated thread in the child, so they never queue behind request
+  traffic, and they carry the busy loop's progress stamp so a live thread cannot hide a stuck loop.
 * requests: the daemon's ROUTER talks to one DEALER per child (routing identity
-  ``name:incarnation``); GenerateRequest goes down, GenerateResult comes back.
+  ``name:incarnation``, `contract.routing_id`). The child sends Ready on this channel, so the
+  daemon learns that an engine is READY and that it is routable from the same message: "ready"
+  means "usable", with no race between two sockets. GenerateRequest goes down, GenerateResult
+  comes back.
 
 Every message names its engine and incarnation; the daemon drops messages from an incarnation
 that is no longer current. Nothing is ever pickled.
@@ -16,15 +18,6 @@ that is no longer current. Nothing is ever pickled.
 from __future__ import annotations
 
 import msgspec
-
-# Child exit-code contract (DESIGN "Engine lifecycle").
-EXIT_OK = 0
-EXIT_CONFIG = 78  # EX_CONFIG: the engine's own config or model is invalid; do not restart
-EXIT_SIGNAL_BASE = 128  # 128+N: terminated by signal N after cleanup
-
-# Environment variables the daemon sets for each child.
-ENV_CONFIG = "ENGINED_CONFIG"  # JSON of EngineConfig
-ENV_PARENT_PID = "ENGINED_PARENT_PID"  # the daemon's pid, checked after PR_SET_PDEATHSIG
 
 # Safety bounds for decoding: a malformed or hostile frame must not cost the daemon memory.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -58,6 +51,8 @@ class Progress(msgspec.Struct, tag="progress", frozen=True):
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
+    """Sent on the request channel (see the module docstring): built, warmed up and routable."""
+
     engine: str
     incarnation: int
     load_s: float
@@ -70,7 +65,6 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
 class Heartbeat(msgspec.Struct, tag="hb", frozen=True):
     engine: str
     incarnation: int
-    seq: int
     iteration: int  # busy-loop iterations so far
     last_iteration_at: float  # CLOCK_MONOTONIC (system-wide on Linux) of the last iteration
     waiting: int  # requests queued, not yet in a batch
@@ -90,7 +84,8 @@ class Goodbye(msgspec.Struct, tag="bye", frozen=True):
     cleanup: dict[str, float] = {}
 
 
-ControlMessage = Hello | Progress | Ready | Heartbeat | Goodbye
+ControlMessage = Hello | Progress | Heartbeat | Goodbye  # what the control channel carries
+ChildMessage = ControlMessage | Ready  # everything that changes an engine's lifecycle state
 
 
 class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
@@ -117,7 +112,7 @@ class GenerateResult(msgspec.Struct, tag="result", frozen=True):
     error: str | None = None
 
 
-RequestMessage = GenerateRequest | GenerateResult | Wake
+RequestMessage = GenerateRequest | GenerateResult | Wake | Ready
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

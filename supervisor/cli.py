@@ -1,9 +1,8 @@
 """enginectl: the command-line client for engined's control socket.
 
 Speaks HTTP/1.1 + JSON over the daemon's unix socket. It must start fast (`enginectl status` well
-under 300 ms end to end), so it imports only the standard library and nothing else from the
-`supervisor` package; the daemon imports `default_runtime_dir` / `default_socket_path` from here so
-that both sides agree on where the socket lives.
+under 300 ms end to end), so it imports only the standard library, `engined.supervisor.client`
+and `engined.engine.contract` (where daemon and client agree on the socket's location).
 
 Exit codes (a contract, see DESIGN.md): 0 ok; 1 the operation failed; 2 usage error; 3 (`status`)
 an engine that should be READY is not; 4 daemon unreachable or access denied.
@@ -16,12 +15,14 @@ import contextlib
 import http.client
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import quote
+
+from engined.engine.contract import resolve_socket_path
+from engined.supervisor.client import open_request
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -29,8 +30,6 @@ EXIT_USAGE = 2
 EXIT_NOT_READY = 3
 EXIT_UNREACHABLE = 4
 
-# A live daemon accepts at once; a long connect means it is gone or wedged.
-CONNECT_TIMEOUT_S = 5.0
 STATUS_TIMEOUT_S = 30.0
 RELOAD_TIMEOUT_S = 300.0
 # The daemon waits up to the command's own timeout before answering; leave it room to reply.
@@ -42,33 +41,6 @@ DEFAULT_MAX_TOKENS = 64
 STREAM_CHUNK_BYTES = 65536
 
 
-# --- socket location (shared with the daemon) -------------------------------------------------
-
-
-def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:
-    """$RUNTIME_DIRECTORY (first entry), else $XDG_RUNTIME_DIR/engined, else /tmp/engined-<uid>."""
-    env = os.environ if env is None else env
-    # systemd joins several RuntimeDirectory= entries with ':'; ours is the first.
-    runtime = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    if runtime:
-        return runtime
-    xdg = env.get("XDG_RUNTIME_DIR", "")
-    if xdg:
-        return os.path.join(xdg, "engined")
-    return f"/tmp/engined-{os.getuid()}"
-
-
-def default_socket_path(env: Mapping[str, str] | None = None) -> str:
-    """The control socket the daemon binds when the spec does not name one."""
-    return os.path.join(default_runtime_dir(env), "control.sock")
-
-
-def resolve_socket_path(option: str | None, env: Mapping[str, str] | None = None) -> str:
-    """--socket, else $ENGINED_SOCKET, else the daemon's default."""
-    env = os.environ if env is None else env
-    return option or env.get("ENGINED_SOCKET") or default_socket_path(env)
-
-
 # --- transport --------------------------------------------------------------------------------
 
 
@@ -78,25 +50,6 @@ class CtlError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
         super().__init__(message)
         self.exit_code = exit_code
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    """HTTPConnection over an AF_UNIX socket; the Host header is `engined`."""
-
-    def __init__(self, socket_path: str, timeout_s: float | None) -> None:
-        super().__init__("engined", timeout=timeout_s)
-        self.socket_path = socket_path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(CONNECT_TIMEOUT_S)
-            sock.connect(self.socket_path)
-            sock.settimeout(self.timeout)  # the per-request read timeout (None: wait forever)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
 
 
 def _error_text(body: bytes, status: int, reason: str) -> str:
@@ -138,20 +91,12 @@ class Client:
     def open(self, method: str, path: str, body: Any = None,
              timeout_s: float | None = STATUS_TIMEOUT_S) -> http.client.HTTPResponse:
         """Send a request; return a 2xx response, else raise CtlError with the daemon's text."""
-        conn = UnixHTTPConnection(self.socket_path, timeout_s)
-        payload = None if body is None else json.dumps(body).encode()
-        # One request per connection: `Connection: close` hands the socket to the response,
-        # which closes it once the body is read.
-        headers = {"Accept": "application/json", "Connection": "close"}
-        if payload is not None:
-            headers["Content-Type"] = "application/json"
         with self.transport_errors():
-            conn.request(method, path, body=payload, headers=headers)
-            resp = conn.getresponse()
+            resp = open_request(self.socket_path, method, path, body, timeout_s=timeout_s)
             if resp.status < 400:
                 return resp
             text = _error_text(resp.read(), resp.status, resp.reason)
-        conn.close()
+        resp.close()
         if resp.status == 403:
             raise CtlError(f"access denied by engined at {self.socket_path}: {text}",
                            EXIT_UNREACHABLE)

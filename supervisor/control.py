@@ -18,14 +18,15 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from supervisor import __version__
-from supervisor.fleet import Fleet, NoEngineReady, UnknownEngine
-from supervisor.handle import Desired, EngineHandle
-from supervisor.ipc import EngineChannels, RequestFailed
-from supervisor.reload import ReloadRejected
-from supervisor.sampler import Sample, Sampler
-from supervisor.state import EngineState
-from supervisor.webserver import CLIENT_TIMEOUT_S
+from engined.supervisor import __version__
+from engined.supervisor.fleet import Fleet, NoEngineReady, UnknownEngine
+from engined.supervisor.ipc import EngineChannels, RequestFailed
+from engined.supervisor.reload import ReloadRejected
+from engined.supervisor.replica import Replica
+from engined.supervisor.sampler import Sample, Sampler
+from engined.supervisor.state import EngineState
+from engined.supervisor.view import EngineView
+from engined.supervisor.webserver import CLIENT_TIMEOUT_S
 
 log = logging.getLogger("engined.control")
 
@@ -92,7 +93,7 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         return {}
     if (request.content_length or 0) > MAX_BODY_BYTES:  # refuse now, not after waiting for it
         raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES,
-                                            actual_size=request.content_length)
+                                            actual_size=request.content_length or 0)
     try:
         raw = await asyncio.wait_for(request.read(), CLIENT_TIMEOUT_S)
     except asyncio.TimeoutError:
@@ -134,9 +135,9 @@ class _Routes:
                       "uptime_s": round(time.time() - ctx.started, 3),
                       "config": ctx.config_path, "generation": ctx.generation,
                       "ipc_dropped": dict(ctx.channels.dropped)}
-        handles = list(ctx.fleet.handles.values())
-        sample = await ctx.sampler.sample([h.pid for h in handles if h.pid is not None])
-        engines = [engine_status(h, sample) for h in handles]
+        views = ctx.fleet.view().engines
+        sample = await ctx.sampler.sample([v.pid for v in views if v.pid is not None])
+        engines = [engine_status(v, sample) for v in views]
         return web.json_response({"supervisor": supervisor, "engines": engines})
 
     async def action(self, request: web.Request) -> web.Response:
@@ -150,19 +151,18 @@ class _Routes:
         timeout_s = _number(body, "timeout_s", DEFAULT_WAIT_S, 0, 86400)
         fleet = self.ctx.fleet
         try:
-            handles = fleet.resolve(request.match_info["name"])
+            affected = fleet.affected(request.match_info["name"])
         except UnknownEngine as exc:
             return _error(404, str(exc))
-        before = {h.name: (h.incarnation, h.pid is not None)
-                  for h in (*handles, *(m for h in handles if h.gang for m in h.gang.members))}
-        handles = fleet.command(action, request.match_info["name"])
-        results = await asyncio.gather(*(_settle(h, action, *before[h.name], wait, timeout_s)
-                                         for h in handles))
+        before = {r.name: r.view() for r in affected}
+        fleet.command(action, request.match_info["name"])
+        results = await asyncio.gather(*(_settle(r, action, before[r.name], wait, timeout_s)
+                                         for r in affected))
         return web.json_response({"engines": results})
 
     async def logs(self, request: web.Request) -> web.StreamResponse:
         try:
-            (handle,) = self.ctx.fleet.resolve(request.match_info["name"])
+            (replica,) = self.ctx.fleet.resolve(request.match_info["name"])
         except UnknownEngine as exc:
             return _error(404, str(exc))
         except ValueError:
@@ -172,10 +172,10 @@ class _Routes:
         except ValueError:
             return _error(400, "'lines' must be an integer")
         lines = max(0, min(lines, 100_000))
-        head = "".join(f"{line}\n" for line in handle.log.last_lines(lines))
+        head = "".join(f"{line}\n" for line in replica.log.last_lines(lines))
         if request.query.get("follow") not in ("1", "true"):
             return web.Response(text=head, content_type="text/plain")
-        return await _follow(request, handle, head)
+        return await _follow(request, replica, head)
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -213,80 +213,81 @@ class _Routes:
             return _error(400, str(exc))
 
 
-async def _settle(handle: EngineHandle, action: str, incarnation: int, was_running: bool,
-                  wait: bool, timeout_s: float) -> dict[str, Any]:
+async def _settle(replica: Replica, action: str, before: EngineView, wait: bool,
+                  timeout_s: float) -> dict[str, Any]:
     """Wait (if asked) until the engine reached the action's target state, then report it."""
-    needs_new = action == "restart" or not was_running
+    needs_new = action == "restart" or before.pid is None
 
-    def done(h: EngineHandle) -> bool:
+    def done(v: EngineView) -> bool:
         if action == "stop":
-            return h.state is EngineState.STOPPED and h.pid is None
-        if h.desired is Desired.STOPPED:
+            return v.state is EngineState.STOPPED and v.pid is None
+        if not v.wanted:
             return True  # someone stopped it meanwhile
-        fresh = h.incarnation > incarnation or not needs_new
-        return fresh and h.state in (EngineState.READY, EngineState.FAILED)
+        fresh = v.incarnation > before.incarnation or not needs_new
+        return fresh and v.state in (EngineState.READY, EngineState.FAILED)
 
     ok, error = True, None
     if wait:
-        reached = await handle.wait_for(done, timeout_s)
+        reached = await replica.wait_for(done, timeout_s)
+    view = replica.view()
+    if wait:
         target = "STOPPED" if action == "stop" else "READY"
-        ok = reached and handle.state.value == target
+        ok = reached and view.state.value == target
         if not reached:
-            error = f"not {target} within {timeout_s:g}s (state {handle.state.value})"
+            error = f"not {target} within {timeout_s:g}s (state {view.state.value})"
         elif not ok:
-            error = handle.fail_reason or f"ended {handle.state.value}"
-    return {"name": handle.name, "state": handle.state.value, "pid": handle.pid, "ok": ok,
+            error = view.fail_reason or f"ended {view.state.value}"
+    return {"name": view.name, "state": view.state.value, "pid": view.pid, "ok": ok,
             "error": error}
 
 
-async def _follow(request: web.Request, handle: EngineHandle, head: str) -> web.StreamResponse:
+async def _follow(request: web.Request, replica: Replica, head: str) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
     await response.prepare(request)
-    queue = handle.log.follow()
+    queue = replica.log.follow()
     try:
         await response.write(head.encode())
         while (line := await queue.get()) is not None:
             await response.write(f"{line}\n".encode())
-    except (ConnectionResetError, asyncio.CancelledError):
-        pass
+    except ConnectionResetError:
+        pass  # the follower went away
     finally:
-        handle.log.unfollow(queue)
+        replica.log.unfollow(queue)
     return response
 
 
-def engine_status(handle: EngineHandle, sample: Sample) -> dict[str, Any]:
-    spec, hb, now = handle.spec, handle.heartbeat, time.monotonic()
-    tree = sample.trees.get(handle.pid) if handle.pid is not None else None
+def engine_status(view: EngineView, sample: Sample) -> dict[str, Any]:
+    """The status JSON of one engine (DESIGN "GET /v1/status")."""
+    tree = sample.trees.get(view.pid) if view.pid is not None else None
+    hb, ready = view.heartbeat, view.ready
     return {
-        "name": handle.name, "group": spec.group, "rank": spec.rank,
-        "state": handle.state.value, "desired": handle.desired.value, "pid": handle.pid,
-        "incarnation": handle.incarnation, "restarts": handle.restarts.total(),
-        "restarts_by_reason": {r.value: n for r, n in handle.restarts.items()},
-        "since": handle.since, "startup_s": handle.startup_s,
-        "heartbeat_age_s": (round(now - handle.last_heartbeat_at, 3)
-                            if handle.last_heartbeat_at is not None and handle.pid else None),
-        "phase": handle.phase, "model": spec.model.source,
+        "name": view.name, "group": view.group, "rank": view.rank,
+        "state": view.state.value, "desired": "run" if view.wanted else "stopped",
+        "pid": view.pid, "incarnation": view.incarnation, "restarts": view.restarts,
+        "restarts_by_reason": dict(view.restarts_by_reason),
+        "since": view.since, "startup_s": view.startup_s,
+        "heartbeat_age_s": view.heartbeat_age_s,
+        "phase": view.phase, "model": view.model,
         # What the current incarnation's READY reported (None until it is READY).
-        "device": handle.ready_info.device if handle.ready_info else None,
-        "dtype": handle.ready_info.dtype if handle.ready_info else None,
-        "restart_at": (time.time() + handle.restart_at - now
-                       if handle.restart_at is not None else None),
-        "fail_reason": handle.fail_reason or None,
-        "last_exit": handle.last_exit.to_json() if handle.last_exit else None,
-        "last_cleanup": handle.cleanup or None,
-        "gpus": list(spec.gpus), "rss_bytes": tree.rss_bytes if tree else None,
+        "device": ready.device if ready else None,
+        "dtype": ready.dtype if ready else None,
+        "restart_at": view.restart_at,
+        "fail_reason": view.fail_reason or None,
+        "last_exit": view.last_exit.to_json() if view.last_exit else None,
+        "last_cleanup": view.last_cleanup or None,
+        "gpus": list(view.gpus), "rss_bytes": tree.rss_bytes if tree else None,
         "queue": {"waiting": hb.waiting, "running": hb.running} if hb else None,
-        "gpu_memory": _gpu_memory(handle, sample),
+        "gpu_memory": _gpu_memory(view, sample),
     }
 
 
-def _gpu_memory(handle: EngineHandle, sample: Sample) -> list[dict[str, Any]]:
+def _gpu_memory(view: EngineView, sample: Sample) -> list[dict[str, Any]]:
     """torch's figures from the heartbeat, joined with NVML's per-process figure per GPU."""
-    hb = handle.heartbeat if handle.pid is not None else None
-    nvml = {d.index: d.process_bytes.get(handle.pid) for d in sample.gpus}
+    hb = view.heartbeat
+    nvml = {d.index: d.process_bytes.get(view.pid) for d in sample.gpus} if view.pid else {}
     torch_by_gpu = {m.gpu: m for m in (hb.gpu_memory if hb else [])}
     rows = []
-    for gpu in handle.spec.gpus:
+    for gpu in view.gpus:
         mem = torch_by_gpu.get(gpu)
         rows.append({"gpu": gpu,
                      "allocated_bytes": mem.allocated_bytes if mem else None,

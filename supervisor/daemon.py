@@ -16,28 +16,35 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from aiohttp import web
 
-from supervisor import __version__
-from supervisor.control import ControlContext, make_app
-from supervisor.fleet import Fleet
-from supervisor.handle import EngineHandle, HandleDeps
-from supervisor.http import LOOP_STALE_S, LoopTicker, MetricsEndpoint
-from supervisor.reload import ReloadRejected, plan_reload
-from supervisor.state import EngineState
-from supervisor.systemd import Notifier
-from supervisor.ipc import EngineChannels
-from supervisor.launcher import ExecLauncher
-from supervisor.sampler import Sampler
-from supervisor.runtime import (RuntimeError_, RuntimeLock, prepare_runtime_dir,
-                                resolve_log_dir, resolve_runtime_dir)
-from supervisor.spec import FleetSpec, SpecError, format_fleet, load_fleet
-from supervisor.webserver import make_runner
+from engined.engine.contract import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+from engined.supervisor import __version__
+from engined.supervisor.clock import SystemClock
+from engined.supervisor.control import ControlContext, make_app
+from engined.supervisor.fleet import Fleet
+from engined.supervisor.groups import Owner
+from engined.supervisor.http import LOOP_STALE_S, LoopTicker, MetricsEndpoint
+from engined.supervisor.ipc import EngineChannels
+from engined.supervisor.launcher import ExecLauncher, expose_engine_package
+from engined.supervisor.reload import ReloadRejected, plan_reload
+from engined.supervisor.replica import Replica, ReplicaDeps
+from engined.supervisor.runtime import (
+    RuntimeError_,
+    RuntimeLock,
+    prepare_runtime_dir,
+    resolve_log_dir,
+    resolve_runtime_dir,
+)
+from engined.supervisor.sampler import Sampler
+from engined.supervisor.spec import EngineSpec, FleetSpec, SpecError, format_fleet, load_fleet
+from engined.supervisor.state import EngineState
+from engined.supervisor.systemd import Notifier
+from engined.supervisor.webserver import make_runner
 
 log = logging.getLogger("engined")
-
-EXIT_OK, EXIT_FATAL, EXIT_CONFIG = 0, 1, 78
 DEFAULT_CONFIG = "/etc/engined/fleet.yaml"
 # Open connections per HTTP server: enough for operators (`logs -f` followers included) and for
 # Prometheus and probes; past it a connection is closed on accept (supervisor.webserver).
@@ -59,7 +66,7 @@ class Daemon:
         self.log_dir = log_dir
         self.commands: asyncio.Queue[tuple[DaemonCommand, asyncio.Future | None]] = \
             asyncio.Queue()
-        self.shutdown_requests = 0
+        self.clock = SystemClock()
         self.fleet: Fleet | None = None
         self.channels: EngineChannels | None = None
         self.control: ControlContext | None = None
@@ -68,7 +75,7 @@ class Daemon:
         self.notifier = Notifier()
         self.runners: list[web.AppRunner] = []
         self._reload_lock = asyncio.Lock()
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()
 
     def dispatch(self, command: DaemonCommand, reply: asyncio.Future | None = None) -> None:
         """The one entry for signals (via the loop's signal handlers) and control requests."""
@@ -85,45 +92,52 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.dispatch, DaemonCommand.SHUTDOWN)
         loop.add_signal_handler(signal.SIGHUP, self.dispatch, DaemonCommand.RELOAD)
-        self.channels = EngineChannels(str(self.runtime_dir), self._on_control)
-        self.fleet = Fleet(self.spec, self._make_handle_factory(loop))
+        self.channels = EngineChannels(str(self.runtime_dir), self._on_message)
+        self.fleet = Fleet(self.spec, self._replica_factory(loop), self.clock)
         self.channels.start()
         self.ticker.start()
         self.runners = [await self._serve_control(), *await self._serve_http()]
         self.fleet.start()
         self.notifier.ready(self._status_line())
-        self._tasks.append(loop.create_task(
-            self.notifier.watchdog(lambda: self.ticker.lag_s() < LOOP_STALE_S), name="watchdog"))
+        self._spawn_task(self.notifier.watchdog(lambda: self.ticker.lag_s() < LOOP_STALE_S),
+                         "watchdog")
         log.info("[start] engined %s pid %d: %d engines from %s", __version__, os.getpid(),
-                 len(self.fleet.handles), self.config_path)
+                 len(self.fleet.replicas), self.config_path)
         try:
             await self._command_loop()
         finally:
             await self._shutdown()
         return EXIT_OK
 
-    def _on_control(self, msg):
-        return self.fleet.on_control(msg) if self.fleet else "unknown_engine"
+    def _spawn_task(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_message(self, msg: Any) -> str | None:
+        return self.fleet.on_message(msg) if self.fleet else "unknown_engine"
 
     def _status_line(self) -> str:
         ready, wanted = self.fleet.counts() if self.fleet else (0, 0)
         return f"{ready}/{wanted} engines ready"
 
-    def _on_state(self, handle: EngineHandle, old: EngineState, new: EngineState) -> None:
+    def _on_state(self, name: str, old: EngineState, new: EngineState) -> None:
         self.notifier.status(self._status_line())
 
-    def _make_handle_factory(self, loop: asyncio.AbstractEventLoop):
+    def _replica_factory(self, loop: asyncio.AbstractEventLoop
+                         ) -> Callable[[EngineSpec, Owner], Replica]:
         assert self.channels is not None
         channels = self.channels
-        deps = HandleDeps(
-            loop=loop, launcher=ExecLauncher(loop), log_dir=self.log_dir,
-            control_endpoint=channels.control_endpoint,
+        pythonpath = expose_engine_package(self.runtime_dir / "python")
+        deps = ReplicaDeps(
+            loop=loop, clock=self.clock, launcher=ExecLauncher(loop, pythonpath),
+            log_dir=self.log_dir, control_endpoint=channels.control_endpoint,
             request_endpoint=channels.request_endpoint,
             heartbeat_interval_s=self.spec.supervisor.heartbeat_interval_s,
             heartbeat_timeout_s=self.spec.supervisor.heartbeat_timeout_s,
-            on_exit=lambda h, inc: channels.fail_engine(h.name, inc, "exited"),
+            on_exit=lambda name, inc, why: channels.fail_engine(name, inc, why),
             on_state=self._on_state)
-        return lambda engine_spec: EngineHandle(engine_spec, deps)
+        return lambda engine, owner: Replica(engine, deps, owner)
 
     async def _serve_control(self) -> web.AppRunner:
         assert self.fleet is not None and self.channels is not None
@@ -161,15 +175,13 @@ class Daemon:
         return [runner]
 
     async def _command_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             command, reply = await self.commands.get()
             if command is DaemonCommand.SHUTDOWN:
-                self.shutdown_requests += 1
                 return
             if command is DaemonCommand.RELOAD:
                 # A task, so a shutdown signal is seen while a reload stops removed engines.
-                self._tasks.append(loop.create_task(self._reload(reply), name="reload"))
+                self._spawn_task(self._reload(reply), "reload")
 
     async def _reload(self, reply: asyncio.Future | None) -> None:
         assert self.fleet is not None and self.control is not None
@@ -181,7 +193,8 @@ class Daemon:
                 log.error("[reload] invalid spec, nothing changed:\n%s", exc)
                 self.notifier.ready(self._status_line())
                 if reply is not None and not reply.done():
-                    reply.set_exception(ReloadRejected(f"invalid fleet spec, nothing changed:\n{exc}"))
+                    reply.set_exception(
+                        ReloadRejected(f"invalid fleet spec, nothing changed:\n{exc}"))
                 return
             plan = plan_reload(self.spec, new)
             # Supervisor-level keys are not applied live: keep the running ones, so the
@@ -202,16 +215,17 @@ class Daemon:
     async def _shutdown(self) -> None:
         assert self.fleet is not None and self.channels is not None
         self.notifier.stopping()
-        log.info("[shutdown] stopping %d engines", len(self.fleet.handles))
+        log.info("[shutdown] stopping %d engines", len(self.fleet.replicas))
         started = time.monotonic()
         second_signal = asyncio.ensure_future(self._second_shutdown_signal())
         try:
             await self.fleet.shutdown()
         finally:
             second_signal.cancel()
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for runner in self.runners:
             await runner.cleanup()
         self.ticker.stop()
@@ -267,13 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         lock.acquire()
     except (RuntimeError_, OSError) as exc:
         print(f"engined: {exc}", file=sys.stderr)
-        return EXIT_FATAL
+        return EXIT_FAILURE
     log_dir = resolve_log_dir(spec.supervisor.log_dir, runtime_dir)
     try:
         return asyncio.run(Daemon(spec, os.path.abspath(args.config), runtime_dir, log_dir).run())
     except RuntimeError_ as exc:
         print(f"engined: {exc}", file=sys.stderr)
-        return EXIT_FATAL
+        return EXIT_FAILURE
     finally:
         lock.release()
 

@@ -1,22 +1,30 @@
-"""The fleet: every engine handle, name resolution (replica, group, `all`), commands, shutdown."""
+"""The fleet: every replica and its group, name resolution (replica, group, `all`), operator
+commands, reload, shutdown, and the read-only view everything else reports from."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import random
 from typing import Callable
 
-from engine import protocol as proto
-from supervisor.gang import GangGroup, new_rendezvous
-from supervisor.handle import Desired, EngineHandle, HandleDeps
-from supervisor.ipc import EngineChannels, RequestFailed, RequestTimeout
-from supervisor.policy import Reason
-from supervisor.reload import ReloadPlan
-from supervisor.spec import EngineSpec, FleetSpec
-from supervisor.state import EngineState
+from engined.engine import protocol as proto
+from engined.supervisor.clock import Clock
+from engined.supervisor.groups import Gang, Owner, ReplicaGroup
+from engined.supervisor.ipc import EngineChannels, RequestFailed, RequestTimeout
+from engined.supervisor.policy import Reason
+from engined.supervisor.reload import ReloadPlan
+from engined.supervisor.replica import Replica
+from engined.supervisor.spec import EngineSpec, FleetSpec
+from engined.supervisor.state import EngineState
+from engined.supervisor.view import FleetView
 
 log = logging.getLogger("engined.fleet")
+
+ACTIONS = ("start", "stop", "restart")
+_RETIRE_MARGIN_S = 10.0  # past stop_timeout: SIGKILL and the reaping take a moment
+
+MakeReplica = Callable[[EngineSpec, Owner], Replica]
 
 
 class UnknownEngine(KeyError):
@@ -33,178 +41,192 @@ class NoEngineReady(Exception):
 
 
 class Fleet:
-    def __init__(self, spec: FleetSpec,
-                 make_handle: Callable[[EngineSpec], EngineHandle]) -> None:
+    def __init__(self, spec: FleetSpec, make_replica: MakeReplica, clock: Clock,
+                 rng: random.Random | None = None) -> None:
         self.spec = spec
-        self.make_handle = make_handle
-        self.handles: dict[str, EngineHandle] = {e.name: make_handle(e) for e in spec.engines}
-        self.gangs: dict[str, GangGroup] = {}
-        self._rebuild_gangs()
+        self.make_replica = make_replica
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.groups: dict[str, Owner] = {}
+        self.replicas: dict[str, Replica] = {}
+        for engine in spec.engines:
+            self.replicas[engine.name] = make_replica(engine, self._group_for(engine))
+        self._regroup()
         self._rr = 0
-        self.retiring: dict[str, EngineHandle] = {}  # removed by a reload, still stopping
+        self.retiring: dict[str, Replica] = {}  # removed by a reload, still stopping
         self._retire_tasks: set[asyncio.Task[None]] = set()
 
-    # --- lookup ------------------------------------------------------------------------------
-    def groups(self) -> dict[str, list[EngineHandle]]:
-        groups: dict[str, list[EngineHandle]] = {}
-        for handle in self.handles.values():
-            groups.setdefault(handle.spec.group, []).append(handle)
-        return groups
+    # --- views -------------------------------------------------------------------------------
+    def view(self) -> FleetView:
+        return FleetView(tuple(r.view() for r in self.replicas.values()))
 
-    def resolve(self, name: str) -> list[EngineHandle]:
+    def counts(self) -> tuple[int, int]:
+        return self.view().counts()
+
+    # --- lookup ------------------------------------------------------------------------------
+    def resolve(self, name: str) -> list[Replica]:
         """A replica name, a group name, or `all`; raises UnknownEngine."""
         if name == "all":
-            return list(self.handles.values())
-        if name in self.handles:
-            return [self.handles[name]]
-        members = self.groups().get(name)
+            return list(self.replicas.values())
+        if name in self.replicas:
+            return [self.replicas[name]]
+        members = [r for r in self.replicas.values() if r.spec.group == name]
         if not members:
             raise UnknownEngine(name)
         return members
 
-    def command(self, action: str, name: str) -> list[EngineHandle]:
-        """start/stop/restart a replica, a group or `all`; data-parallel ranks act as a gang
-        (one rank cannot rejoin its group alone). Returns every handle affected."""
-        handles = self.resolve(name)
-        gangs = {h.gang.name: h.gang for h in handles if h.gang is not None}
-        handles = [h for h in handles if h.gang is None]
-        for gang in gangs.values():
-            handles.extend(gang.members)
-            if action == "restart":
-                gang.restart()
-            elif action == "start":
-                gang.start()
-        for handle in handles:
-            if handle.gang is None or action == "stop":
-                getattr(handle, action)()
-        return handles
+    def affected(self, name: str) -> list[Replica]:
+        """What a command on `name` acts on: a data-parallel rank brings its whole gang."""
+        out: dict[str, Replica] = {}
+        for replica in self.resolve(name):
+            owner = self.groups[replica.spec.group]
+            for member in (owner.members if isinstance(owner, Gang) else [replica]):
+                out[member.name] = member
+        return list(out.values())
 
-    def _rebuild_gangs(self) -> None:
-        """One GangGroup per data-parallel group, over its current replicas."""
-        old, self.gangs = self.gangs, {}
-        for handle in self.handles.values():
-            if not handle.spec.data_parallel:
-                handle.gang = None
-                continue
-            group = handle.spec.group
-            if group not in self.gangs:
-                self.gangs[group] = old.get(group) or GangGroup(group)
-                self.gangs[group].members = []
-            self.gangs[group].add(handle)
+    def command(self, action: str, name: str) -> list[Replica]:
+        """start/stop/restart a replica, a group or `all`; returns every replica affected."""
+        if action not in ACTIONS:
+            raise ValueError(f"unknown action {action!r}")
+        replicas = self.affected(name)
+        by_group: dict[str, list[Replica]] = {}
+        for replica in replicas:
+            by_group.setdefault(replica.spec.group, []).append(replica)
+        for group, members in by_group.items():
+            getattr(self.groups[group], action)(members)
+        return replicas
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        for handle in self.handles.values():
-            handle.start_supervising()
+        for replica in self.replicas.values():
+            replica.start_supervising()
 
     async def shutdown(self, deadline_s: float | None = None) -> None:
         """Stop every engine in parallel under one shared deadline."""
-        handles = list(self.handles.values())
+        replicas = list(self.replicas.values())
         budget = deadline_s if deadline_s is not None else max(
-            (h.spec.stop_timeout_s for h in handles), default=0.0)
-        deadline = time.monotonic() + budget
-        for handle in handles:
-            handle.stop(deadline=deadline)
-        await asyncio.gather(*(h.wait_for(_is_down, budget + 10.0) for h in handles),
-                             *self._retire_tasks, return_exceptions=True)
-        await asyncio.gather(*(h.close() for h in handles))
+            (r.spec.stop_timeout_s for r in replicas), default=0.0)
+        deadline = self.clock.monotonic() + budget
+        for replica in replicas:
+            replica.stop(deadline=deadline)
+        await asyncio.gather(
+            *(r.wait_for(lambda v: v.pid is None and not v.wanted, budget + _RETIRE_MARGIN_S)
+              for r in replicas),
+            *self._retire_tasks, return_exceptions=True)
+        await asyncio.gather(*(r.close() for r in replicas))
 
     def apply(self, spec: FleetSpec, plan: ReloadPlan) -> None:
         """Carry out a reload plan: only added, removed and changed replicas are touched."""
         self.spec = spec
         for engine in plan.unchanged:
-            self.handles[engine.name].spec = engine  # equivalent spec (e.g. new group size)
+            self.replicas[engine.name].spec = engine  # equivalent spec (e.g. new group size)
         for engine in plan.changed:
-            handle = self.handles[engine.name]
-            handle.spec = engine
-            if handle.desired is Desired.RUN and not engine.data_parallel:
-                handle.restart(Reason.RELOAD)
+            self.replicas[engine.name].spec = engine
         for name in plan.removed:
-            self._retire(self.handles.pop(name))
+            self._retire(self.replicas.pop(name))
         added = []
         for engine in plan.added:
-            handle = self.make_handle(engine)
-            self.handles[engine.name] = handle
-            added.append(handle)
+            replica = self.make_replica(engine, self._group_for(engine))
+            self.replicas[engine.name] = replica
+            added.append(replica)
         order = {e.name: i for i, e in enumerate(spec.engines)}
-        self.handles = dict(sorted(self.handles.items(), key=lambda kv: order[kv[0]]))
-        self._rebuild_gangs()
-        # A changed data-parallel group restarts as a gang, with a fresh rendezvous, together
-        # with any ranks it gained.
-        touched = {e.group for e in (*plan.changed, *plan.added) if e.data_parallel}
-        for group in touched & set(self.gangs):
-            gang = self.gangs[group]
-            gang.rendezvous = new_rendezvous()
-            for member in gang.members:
-                if member not in added and member.desired is Desired.RUN:
-                    member.restart(Reason.RELOAD)
-        for handle in added:
-            handle.start_supervising()
+        self.replicas = dict(sorted(self.replicas.items(), key=lambda kv: order[kv[0]]))
+        self._regroup()
+        changed = {e.name for e in plan.changed}
+        # A changed data-parallel group restarts as a gang (fresh rendezvous), together with any
+        # ranks it gained; a changed plain replica restarts on its own.
+        for owner in self.groups.values():
+            members = [m for m in owner.members if m.name in changed and m.wanted]
+            if isinstance(owner, Gang):
+                if members or any(m in added for m in owner.members):
+                    owner.restart([m for m in owner.members if m not in added and m.wanted],
+                                  Reason.RELOAD)
+            elif members:
+                owner.restart(members, Reason.RELOAD)
+        for replica in added:
+            replica.start_supervising()
 
-    def _retire(self, handle: EngineHandle) -> None:
+    def _group_for(self, engine: EngineSpec) -> Owner:
+        owner = self.groups.get(engine.group)
+        kind = Gang if engine.data_parallel else ReplicaGroup
+        if not isinstance(owner, kind):
+            owner = kind(engine.group, self.rng)
+            self.groups[engine.group] = owner
+        return owner
+
+    def _regroup(self) -> None:
+        """One owner per group, over its current replicas (after a start or a reload)."""
+        old, self.groups = self.groups, {}
+        for replica in self.replicas.values():
+            engine = replica.spec
+            kind = Gang if engine.data_parallel else ReplicaGroup
+            owner = self.groups.get(engine.group)
+            if owner is None:
+                previous = old.get(engine.group)
+                owner = previous if isinstance(previous, kind) else kind(engine.group, self.rng)
+                owner.members = []
+                self.groups[engine.group] = owner
+            owner.members.append(replica)
+            replica.owner = owner
+
+    def _retire(self, replica: Replica) -> None:
         """Stop a removed replica in the background and drop it once it is down."""
         async def retire() -> None:
-            handle.stop()
-            await handle.wait_for(_is_down, handle.spec.stop_timeout_s + 10.0)
-            await handle.close()
-            if self.retiring.get(handle.name) is handle:
-                del self.retiring[handle.name]
-        self.retiring[handle.name] = handle
-        task = asyncio.get_running_loop().create_task(retire(), name=f"retire:{handle.name}")
+            replica.stop()
+            await replica.wait_for(lambda v: v.pid is None,
+                                   replica.spec.stop_timeout_s + _RETIRE_MARGIN_S)
+            await replica.close()
+            if self.retiring.get(replica.name) is replica:
+                del self.retiring[replica.name]
+        self.retiring[replica.name] = replica
+        task = asyncio.get_running_loop().create_task(retire(), name=f"retire:{replica.name}")
         self._retire_tasks.add(task)
         task.add_done_callback(self._retire_tasks.discard)
 
     def kill_all_now(self) -> None:
-        for handle in [*self.handles.values(), *self.retiring.values()]:
-            handle.kill_now()
+        for replica in [*self.replicas.values(), *self.retiring.values()]:
+            replica.kill_now()
 
     # --- messages ----------------------------------------------------------------------------
-    def on_control(self, msg: proto.ControlMessage) -> str | None:
-        handle = self.handles.get(msg.engine) or self.retiring.get(msg.engine)
-        if handle is None:
+    def on_message(self, msg: proto.ChildMessage) -> str | None:
+        """Route a child's message to its replica; a drop reason if it has none."""
+        replica = self.replicas.get(msg.engine) or self.retiring.get(msg.engine)
+        if replica is None:
             return "unknown_engine"
-        return None if handle.on_control(msg) else "stale"
+        return None if replica.on_message(msg) else "stale"
 
-    def pick_engine(self, name: str | None, channels: EngineChannels) -> EngineHandle:
+    # --- requests ----------------------------------------------------------------------------
+    def pick_engine(self, name: str | None, channels: EngineChannels) -> Replica:
         """A READY replica, the least loaded first, round-robin among equals."""
-        candidates = self.resolve(name) if name else list(self.handles.values())
-        ready = [h for h in candidates if h.state is EngineState.READY]
+        candidates = self.resolve(name) if name else list(self.replicas.values())
+        ready = [r for r in candidates if r.state is EngineState.READY]
         if not ready:
             raise NoEngineReady(f"no READY engine{' in ' + repr(name) if name else ''}")
         self._rr += 1
-        ready.sort(key=lambda h: channels.in_flight(h.name))
-        least = [h for h in ready if channels.in_flight(h.name) == channels.in_flight(ready[0].name)]
-        return least[self._rr % len(least)]
+        load = {r.name: channels.in_flight(r.name) for r in ready}
+        least = min(load.values())
+        choices = [r for r in ready if load[r.name] == least]
+        return choices[self._rr % len(choices)]
 
     async def generate(self, channels: EngineChannels, prompt: str, max_tokens: int,
                        engine: str | None, timeout_s: float) -> proto.GenerateResult:
-        handle = self.pick_engine(engine, channels)
-        if handle.gang is not None:  # its peers must join the lockstep step: wake them now
-            for peer in handle.gang.members:
-                if peer is not handle and peer.state is EngineState.READY:
+        replica = self.pick_engine(engine, channels)
+        owner = self.groups[replica.spec.group]
+        if isinstance(owner, Gang):  # its peers must join the lockstep step: wake them now
+            for peer in owner.members:
+                if peer is not replica and peer.state is EngineState.READY:
                     channels.wake(peer.name, peer.incarnation)
         try:
-            result = await channels.generate(handle.name, handle.incarnation, prompt, max_tokens,
-                                             timeout_s)
+            result = await channels.generate(replica.name, replica.incarnation, prompt,
+                                             max_tokens, timeout_s)
         except RequestTimeout:
-            handle.requests["timeout"] += 1
+            replica.count_request("timeout")
             raise
         except RequestFailed:
-            handle.requests["error"] += 1
+            replica.count_request("error")
             raise
-        handle.requests["ok"] += 1
+        replica.count_request("ok")
         return result
 
-    # --- views -------------------------------------------------------------------------------
-    def counts(self) -> tuple[int, int]:
-        """(READY engines, engines that should run)."""
-        wanted = [h for h in self.handles.values() if h.desired is Desired.RUN]
-        return sum(1 for h in wanted if h.state is EngineState.READY), len(wanted)
 
-
-def _is_down(handle: EngineHandle) -> bool:
-    return handle.state in (EngineState.STOPPED, EngineState.FAILED) and (
-        handle.child is None or not handle.child.alive)
-
-
-__all__ = ["Fleet", "UnknownEngine", "NoEngineReady", "RequestFailed", "HandleDeps"]
+__all__ = ["Fleet", "UnknownEngine", "NoEngineReady", "RequestFailed"]

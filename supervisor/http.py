@@ -3,7 +3,8 @@
 Semantics are for load balancers and Kubernetes probes:
 * /health: 200 only when every engine that should run is READY, else 503 (JSON body).
 * /livez: 200 while the event loop is responsive (a loop ticker is checked, not just this handler).
-* /readyz: 200 when every group that should run has at least one READY replica, else 503.
+* /readyz: 200 when every group that should run has at least one READY replica, else 503 (also
+  when nothing should run at all: a fleet stopped on purpose serves nothing).
 An engine stopped on purpose (`enginectl stop`) is not expected to run and never fails a check.
 """
 
@@ -15,12 +16,10 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from supervisor.fleet import Fleet
-from supervisor.handle import Desired
-from supervisor.ipc import EngineChannels
-from supervisor.metrics import FleetCollector, make_registry, render
-from supervisor.sampler import Sampler
-from supervisor.state import EngineState
+from engined.supervisor.fleet import Fleet
+from engined.supervisor.ipc import EngineChannels
+from engined.supervisor.metrics import FleetCollector, make_registry, render
+from engined.supervisor.sampler import Sampler
 
 LOOP_TICK_S = 0.5
 LOOP_STALE_S = 5.0
@@ -49,28 +48,6 @@ class LoopTicker:
             self._task.cancel()
 
 
-def health(fleet: Fleet) -> tuple[int, dict]:
-    wanted = [h for h in fleet.handles.values() if h.desired is Desired.RUN]
-    ready = [h for h in wanted if h.state is EngineState.READY]
-    if len(ready) == len(wanted):
-        status = "ok"
-    else:
-        status = "down" if not ready else "degraded"
-    body = {"status": status, "engines": {h.name: h.state.value for h in fleet.handles.values()},
-            "ready": len(ready), "expected": len(wanted)}
-    return (200 if status == "ok" else 503), body
-
-
-def readiness(fleet: Fleet) -> tuple[int, dict]:
-    groups: dict[str, bool] = {}
-    for group, members in fleet.groups().items():
-        wanted = [h for h in members if h.desired is Desired.RUN]
-        if wanted:
-            groups[group] = any(h.state is EngineState.READY for h in wanted)
-    ok = all(groups.values())
-    return (200 if ok else 503), {"status": "ready" if ok else "not ready", "groups": groups}
-
-
 class MetricsEndpoint:
     def __init__(self, fleet: Fleet, channels: EngineChannels, sampler: Sampler,
                  ticker: LoopTicker) -> None:
@@ -87,18 +64,18 @@ class MetricsEndpoint:
         return app
 
     async def metrics(self, request: web.Request) -> web.Response:
-        handles = list(self.fleet.handles.values())
-        sample = await self.sampler.sample([h.pid for h in handles if h.pid is not None])
-        self.collector.update(handles, sample, self.channels.dropped)
+        views = self.fleet.view().engines
+        sample = await self.sampler.sample([v.pid for v in views if v.pid is not None])
+        self.collector.update(views, sample, self.channels.dropped)
         body = render(self.registry)  # on the loop: the handles are the loop's, not a thread's
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(self, request: web.Request) -> web.Response:
-        code, body = health(self.fleet)
+        code, body = self.fleet.view().health()
         return web.json_response(body, status=code)
 
     async def readyz(self, request: web.Request) -> web.Response:
-        code, body = readiness(self.fleet)
+        code, body = self.fleet.view().readiness()
         return web.json_response(body, status=code)
 
     async def livez(self, request: web.Request) -> web.Response:

@@ -1,8 +1,9 @@
 """The daemon's side of the engine channels (ZeroMQ, bound here so children never race for ports).
 
-* control: PULL, receives Hello/Progress/Ready/Heartbeat/Goodbye from every child.
-* requests: ROUTER, sends GenerateRequest to one child by routing identity and resolves the
-  matching future when its GenerateResult comes back.
+* control: PULL, receives Hello/Progress/Heartbeat/Goodbye from every child.
+* requests: ROUTER. A child's Ready arrives here, so an engine is READY exactly when it is
+  routable; GenerateRequest goes to one child by routing identity and the matching future
+  resolves when its GenerateResult comes back.
 
 Malformed frames, unknown engines and stale incarnations are dropped, counted by kind and logged
 (rate-limited); they never change engine state.
@@ -21,7 +22,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine import protocol as proto
+from engined.engine import protocol as proto
+from engined.engine.contract import control_endpoint, request_endpoint, routing_id
 
 log = logging.getLogger("engined.ipc")
 
@@ -30,7 +32,8 @@ _WAKE = proto.encode(proto.Wake())
 
 
 class RequestFailed(Exception):
-    """A generate request could not be served (engine gone, unreachable, or it reported an error)."""
+    """A generate request could not be served (engine gone or unreachable, or it reported an
+    error)."""
 
 
 class RequestTimeout(RequestFailed):
@@ -39,10 +42,10 @@ class RequestTimeout(RequestFailed):
 
 class EngineChannels:
     def __init__(self, runtime_dir: str,
-                 on_control: Callable[[proto.ControlMessage], str | None]) -> None:
-        self.control_endpoint = f"ipc://{runtime_dir}/engines-control.sock"
-        self.request_endpoint = f"ipc://{runtime_dir}/engines-requests.sock"
-        self.on_control = on_control  # returns None if applied, else a drop reason
+                 on_message: Callable[[proto.ChildMessage], str | None]) -> None:
+        self.control_endpoint = control_endpoint(runtime_dir)
+        self.request_endpoint = request_endpoint(runtime_dir)
+        self.on_message = on_message  # returns None if applied, else a drop reason
         self.ctx = zmq.asyncio.Context()
         # The control channel carries every heartbeat: a plain socket drained from a reader
         # callback costs far less per message than an awaited zmq.asyncio recv.
@@ -51,7 +54,6 @@ class EngineChannels:
         self.requests = self._bind(zmq.ROUTER, self.request_endpoint)
         self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error, not a drop
         self.dropped: collections.Counter[str] = collections.Counter()
-        self.routes: set[bytes] = set()
         self._pending: dict[str, tuple[str, int, asyncio.Future[proto.GenerateResult]]] = {}
         self._last_log = 0.0
         self._tasks: list[asyncio.Task[None]] = []
@@ -68,7 +70,7 @@ class EngineChannels:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._control_fd = self.control.getsockopt(zmq.FD)
+        self._control_fd = int(self.control.getsockopt(zmq.FD))
         loop.add_reader(self._control_fd, self._drain_control)
         self._tasks = [loop.create_task(self._read_results(), name="ipc:requests")]
         loop.call_soon(self._drain_control)  # the FD is edge-triggered: catch early arrivals
@@ -89,7 +91,7 @@ class EngineChannels:
     # --- control channel ---------------------------------------------------------------------
     def _drain_control(self) -> None:
         """Read every queued control message (ZeroMQ's FD signals edges, so drain fully)."""
-        while self.control.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while int(self.control.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 frames = self.control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -105,7 +107,10 @@ class EngineChannels:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._drop("malformed", str(exc))
             return
-        reason = self.on_control(msg)
+        self._apply(msg)
+
+    def _apply(self, msg: proto.ChildMessage) -> None:
+        reason = self.on_message(msg)
         if reason is not None:
             self._drop(reason, f"{type(msg).__name__} for {msg.engine!r} "
                                f"incarnation {msg.incarnation}")
@@ -121,14 +126,11 @@ class EngineChannels:
     # --- request channel ---------------------------------------------------------------------
     async def _read_results(self) -> None:
         while True:
-            frames = await self.requests.recv_multipart()
+            frames: list[bytes] = await self.requests.recv_multipart()  # type: ignore[misc]
             if len(frames) != 2:
                 self._drop("malformed", f"{len(frames)}-part request-channel message")
                 continue
             identity, frame = frames
-            if not frame:  # a child's first, empty frame: it announces its routing identity
-                self.routes.add(identity)
-                continue
             try:
                 msg = proto.decode_request(frame)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -137,11 +139,17 @@ class EngineChannels:
             self._resolve(identity, msg)
 
     def _resolve(self, identity: bytes, msg: proto.RequestMessage) -> None:
+        if isinstance(msg, proto.Ready):
+            if identity != routing_id(msg.engine, msg.incarnation):
+                self._drop("forged", f"Ready for {msg.engine!r} from {identity!r}")
+                return
+            self._apply(msg)
+            return
         if not isinstance(msg, proto.GenerateResult):
             self._drop("unexpected", f"{type(msg).__name__} from {identity!r}")
             return
         entry = self._pending.get(msg.id)
-        if entry is None or identity != _route(entry[0], entry[1]):
+        if entry is None or identity != routing_id(entry[0], entry[1]):
             self._drop("stale", f"result {msg.id!r} from {identity!r}")
             return
         future = entry[2]
@@ -154,7 +162,7 @@ class EngineChannels:
         future: asyncio.Future[proto.GenerateResult] = asyncio.get_running_loop().create_future()
         self._pending[request.id] = (engine, incarnation, future)
         try:
-            await self._send(_route(engine, incarnation), proto.encode(request))
+            self._send(routing_id(engine, incarnation), proto.encode(request))
             result = await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
             raise RequestTimeout(f"{engine} did not answer within {timeout_s:g}s") from None
@@ -164,29 +172,24 @@ class EngineChannels:
             raise RequestFailed(f"{engine}: {result.error}")
         return result
 
-    async def _send(self, identity: bytes, frame: bytes) -> None:
-        # The child announces itself before READY, but the two channels are not ordered with
-        # respect to each other: give a just-READY child a moment to be routable.
-        for _ in range(50):
-            try:
-                await self.requests.send_multipart([identity, frame], flags=zmq.NOBLOCK)
-                return
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise RequestFailed(f"cannot send to {identity.decode()}: {exc}") from None
-                await asyncio.sleep(0.01)
-        raise RequestFailed(f"{identity.decode()} is not connected")
+    def _send(self, identity: bytes, frame: bytes) -> None:
+        # A READY engine is routable (its READY came through this socket); an unreachable one
+        # has just gone away, and its exit fails the request anyway.
+        try:
+            self.requests.send_multipart([identity, frame], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise RequestFailed(f"cannot send to {identity.decode()}: {exc.strerror}") from None
 
     def wake(self, engine: str, incarnation: int) -> None:
         """Best effort: end a data-parallel rank's idle poll so it joins its peers' next step."""
         try:
-            self.requests.send_multipart([_route(engine, incarnation), _WAKE], flags=zmq.NOBLOCK)
+            self.requests.send_multipart([routing_id(engine, incarnation), _WAKE],
+                                         flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # not routable (yet): it joins at the end of its idle poll
 
     def fail_engine(self, engine: str, incarnation: int, reason: str) -> None:
         """The engine's incarnation is gone: fail its in-flight requests now, not at timeout."""
-        self.routes.discard(_route(engine, incarnation))
         for name, inc, future in list(self._pending.values()):
             if name == engine and inc == incarnation and not future.done():
                 future.set_exception(RequestFailed(f"{engine} {reason}"))
@@ -194,6 +197,3 @@ class EngineChannels:
     def in_flight(self, engine: str) -> int:
         return sum(1 for name, _, _ in self._pending.values() if name == engine)
 
-
-def _route(engine: str, incarnation: int) -> bytes:
-    return f"{engine}:{incarnation}".encode()

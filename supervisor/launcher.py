@@ -10,21 +10,43 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Protocol
 
-from engine.protocol import ENV_CONFIG, ENV_PARENT_PID, EngineConfig, encode_config
-from supervisor.policy import ExitStatus
+import engined.engine
+from engined.engine.contract import ENV_CONFIG, ENV_PARENT_PID
+from engined.engine.protocol import EngineConfig, encode_config
+from engined.supervisor.policy import ExitStatus
 
 # Never let a child see the daemon's systemd plumbing: a child writing to NOTIFY_SOCKET would
 # confuse systemd, and WATCHDOG_* would make it think it is the watched process.
 _STRIPPED_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
                  "LISTEN_FDNAMES", "ENGINED_SOCKET")
-_SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
+ENGINE_MODULE = "engined.engine"
+
+
+def expose_engine_package(root: Path) -> str:
+    """A directory holding only `engined/engine` (a link to this installation's engine package),
+    for the children's PYTHONPATH.
+
+    The child needs the engine package and nothing else of ours, possibly under another
+    interpreter with its own stack (a vLLM venv): putting the directory the daemon was installed
+    into on its path would put the daemon venv's whole site-packages (its transformers, its
+    torch) in front of the engine venv's own. `engined` is a namespace package, so this portion
+    and an installed one combine.
+    """
+    package = Path(next(iter(engined.engine.__path__))).resolve()
+    link = root / "engined" / "engine"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not (link.is_symlink() and Path(os.readlink(link)) == package):
+        staging = link.with_name(f".engine-{os.getpid()}")
+        staging.unlink(missing_ok=True)
+        staging.symlink_to(package, target_is_directory=True)
+        os.replace(staging, link)  # atomic: a child starting now sees the old or the new link
+    return str(root)
 
 
 @dataclass(frozen=True)
@@ -59,7 +81,8 @@ class Launcher(Protocol):
     def spawn(self, config: EngineConfig, env: Mapping[str, str]) -> Child: ...
 
 
-def child_environment(config: EngineConfig, extra: Mapping[str, str]) -> dict[str, str]:
+def child_environment(config: EngineConfig, extra: Mapping[str, str],
+                      pythonpath: str) -> dict[str, str]:
     """The child's environment: ours minus systemd plumbing, plus GPU pinning and thread bounds."""
     env = {k: v for k, v in os.environ.items() if k not in _STRIPPED_ENV}
     threads = str(config.threads)
@@ -75,25 +98,29 @@ def child_environment(config: EngineConfig, extra: Mapping[str, str]) -> dict[st
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices = nvidia-smi's = NVML's = ours
     env[ENV_CONFIG] = encode_config(config)
     env[ENV_PARENT_PID] = str(os.getpid())
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     return env
 
 
 class ExecLauncher:
-    """posix_spawn a fresh interpreter running `python -m engine` in its own session.
+    """posix_spawn a fresh interpreter running `python -m engined.engine` in its own session.
 
     Called from the event-loop thread only: PR_SET_PDEATHSIG in the child is tied to the thread
-    that spawned it, and the loop thread lives as long as the daemon.
+    that spawned it, and the loop thread lives as long as the daemon. `pythonpath` is
+    `expose_engine_package`'s directory.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, python: str = sys.executable) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, pythonpath: str,
+                 python: str = sys.executable) -> None:
         self.loop = loop
-        self.argv = [python, "-m", "engine"]
+        self.pythonpath = pythonpath
+        self.argv = [python, "-m", ENGINE_MODULE]
 
     def spawn(self, config: EngineConfig, env: Mapping[str, str]) -> Child:
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         try:
-            pid = os.posix_spawn(self.argv[0], self.argv, child_environment(config, env),
+            pid = os.posix_spawn(self.argv[0], self.argv,
+                                 child_environment(config, env, self.pythonpath),
                                  file_actions=[
                                      (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
                                      (os.POSIX_SPAWN_DUP2, write_fd, 1),
@@ -131,7 +158,3 @@ def watch_exit(loop: asyncio.AbstractEventLoop, pid: int) -> asyncio.Future[Exit
     loop.add_reader(pidfd, on_exit)
     return future
 
-
-def kill_group_now(child: Child) -> None:
-    """SIGKILL the child's group; used for hangs and for a second shutdown signal."""
-    child.signal_group(signal.SIGKILL)

@@ -109,6 +109,7 @@ class LogSink:
         """Append to the file; False if (some of) it could not be written."""
         if self._file is None and not self._open():
             return False
+        assert self._file is not None
         try:
             if self._size + len(data) > self.max_bytes:
                 self._rotate()

@@ -1,39 +1,39 @@
 """Prometheus metrics: one collector that reads the supervisor's state at scrape time.
 
-Nothing else in the daemon touches metric objects: counters come from state the handles keep
-anyway (restart counts by reason, request outcomes, CPU of exited incarnations), so they cannot
-drift from what `enginectl status` shows, and they never go backwards within a daemon lifetime.
+Nothing else in the daemon touches metric objects: counters come from state the replicas keep
+anyway (restart counts by reason, request outcomes, CPU of exited incarnations), read through
+their immutable views, so they cannot drift from what `enginectl status` shows, and they never go
+backwards within a daemon lifetime.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from supervisor import __version__
-from supervisor.handle import EngineHandle
-from supervisor.policy import Reason
-from supervisor.sampler import Sample
-from supervisor.state import EngineState
+from engined.supervisor import __version__
+from engined.supervisor.policy import Reason
+from engined.supervisor.sampler import Sample
+from engined.supervisor.state import EngineState
+from engined.supervisor.view import EngineView
 
 REQUEST_OUTCOMES = ("ok", "error", "timeout")
 
 
 class FleetCollector:
-    """A prometheus_client custom collector over the live handles and the latest sample."""
+    """A prometheus_client custom collector over the fleet's views and the latest sample."""
 
-    def __init__(self, handles: Iterable[EngineHandle] | None = None) -> None:
-        self._handles: list[EngineHandle] = list(handles or [])
+    def __init__(self, views: Iterable[EngineView] | None = None) -> None:
+        self._views: list[EngineView] = list(views or [])
         self._sample = Sample(at=0.0)
         self._ipc_dropped: dict[str, int] = {}
         self._cpu_reported: dict[str, float] = {}
 
-    def update(self, handles: Iterable[EngineHandle], sample: Sample,
+    def update(self, views: Iterable[EngineView], sample: Sample,
                ipc_dropped: dict[str, int]) -> None:
-        self._handles, self._sample, self._ipc_dropped = list(handles), sample, dict(ipc_dropped)
+        self._views, self._sample, self._ipc_dropped = list(views), sample, dict(ipc_dropped)
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: families vary with the fleet
@@ -53,28 +53,27 @@ class FleetCollector:
 
     def _engine_metrics(self) -> Iterator[Metric]:
         f = _Families()
-        now_wall, now_mono = time.time(), time.monotonic()
-        for h in self._handles:
-            name = h.name
-            f.info.add_metric([name, h.spec.group, h.spec.model.source], 1)
+        for v in self._views:
+            name = v.name
+            f.info.add_metric([name, v.group, v.model], 1)
             for state in EngineState:
-                f.state.add_metric([name, state.value], 1 if h.state is state else 0)
-            f.up.add_metric([name], 1 if h.state is EngineState.READY else 0)
+                f.state.add_metric([name, state.value], 1 if v.state is state else 0)
+            f.up.add_metric([name], 1 if v.is_ready else 0)
             for reason in Reason:
-                f.restarts.add_metric([name, reason.value], h.restarts[reason])
+                f.restarts.add_metric([name, reason.value], v.restarts_of(reason.value))
             for outcome in REQUEST_OUTCOMES:
-                f.requests.add_metric([name, outcome], h.requests[outcome])
-            if h.spawned_wall is not None:
-                f.start_time.add_metric([name], h.spawned_wall)
-            if h.startup_s is not None:
-                f.startup.add_metric([name], h.startup_s)
-            if h.last_heartbeat_at is not None:
-                f.heartbeat.add_metric([name], now_wall - (now_mono - h.last_heartbeat_at))
-            self._process_metrics(f, h)
-            self._heartbeat_metrics(f, h)
+                f.requests.add_metric([name, outcome], v.requests_of(outcome))
+            if v.spawned_at is not None:
+                f.start_time.add_metric([name], v.spawned_at)
+            if v.startup_s is not None:
+                f.startup.add_metric([name], v.startup_s)
+            if v.heartbeat_at is not None:
+                f.heartbeat.add_metric([name], v.heartbeat_at)
+            self._process_metrics(f, v)
+            self._heartbeat_metrics(f, v)
         yield from f.all()
 
-    def _process_metrics(self, f: _Families, h: EngineHandle) -> None:
+    def _process_metrics(self, f: _Families, h: EngineView) -> None:
         tree = self._sample.trees.get(h.pid) if h.pid is not None else None
         if tree is not None:
             f.rss.add_metric([h.name], tree.rss_bytes)
@@ -89,8 +88,8 @@ class FleetCollector:
                 f.gpu_used.add_metric([h.name, str(device.index)], device.process_bytes[h.pid])
 
     @staticmethod
-    def _heartbeat_metrics(f: _Families, h: EngineHandle) -> None:
-        hb = h.heartbeat if h.pid is not None else None
+    def _heartbeat_metrics(f: _Families, h: EngineView) -> None:
+        hb = h.heartbeat
         if hb is None:
             return
         f.running.add_metric([h.name], hb.running)

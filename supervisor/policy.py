@@ -12,9 +12,8 @@ import os
 import signal
 from dataclasses import dataclass, field
 
-from supervisor.spec import BackoffSpec, StartLimitSpec
-
-EXIT_CONFIG = 78
+from engined.engine.contract import EXIT_CONFIG
+from engined.supervisor.spec import BackoffSpec, StartLimitSpec
 
 
 class Reason(enum.Enum):
@@ -152,6 +151,15 @@ def decide(now: float, restart: str, status: ExitStatus, reason: Reason,
     return Decision(Action.RESTART, delay, f"failure {history.consecutive} in a row"), history
 
 
+# asyncio runs a timer up to its clock's resolution early; a deadline that close is reached
+# (otherwise a watcher would re-arm a near-zero timer until the clock catches up).
+DEADLINE_SLACK_S = 1e-6
+
+
+def reached(now: float, deadline: float) -> bool:
+    return now >= deadline - DEADLINE_SLACK_S
+
+
 @dataclass(frozen=True)
 class Liveness:
     """What the daemon knows about one engine's liveness at `now`."""
@@ -170,13 +178,13 @@ def check_liveness(now: float, live: Liveness) -> tuple[Reason | None, float]:
     """Return (reason to kill, or None; the time at which to check again)."""
     if live.starting:
         deadline = live.spawned_at + live.startup_timeout_s
-        return (Reason.STARTUP_TIMEOUT if now >= deadline else None), deadline
+        return (Reason.STARTUP_TIMEOUT if reached(now, deadline) else None), deadline
     hb_deadline = live.last_heartbeat_at + live.heartbeat_timeout_s
-    if now >= hb_deadline:
+    if reached(now, hb_deadline):
         return Reason.HANG, hb_deadline
     if live.work_queued:
         stall_deadline = live.last_iteration_at + live.stall_timeout_s
-        if now >= stall_deadline:
+        if reached(now, stall_deadline):
             return Reason.STALL, stall_deadline
         return None, min(hb_deadline, stall_deadline)
     return None, hb_deadline

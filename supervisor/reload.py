@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from supervisor.spec import EngineSpec, FleetSpec, SupervisorSpec
+from engined.supervisor.spec import EngineSpec, FleetSpec, SupervisorSpec
 
 
 class ReloadRejected(Exception):
@@ -52,5 +52,6 @@ def plan_reload(old: FleetSpec, new: FleetSpec) -> ReloadPlan:
 
 
 def supervisor_changes(old: SupervisorSpec, new: SupervisorSpec) -> tuple[str, ...]:
-    return tuple(f"supervisor.{f.name.removesuffix('_s')}" for f in dataclasses.fields(SupervisorSpec)
+    return tuple(f"supervisor.{f.name.removesuffix('_s')}"
+                 for f in dataclasses.fields(SupervisorSpec)
                  if getattr(old, f.name) != getattr(new, f.name))

@@ -7,7 +7,7 @@ import os
 import stat
 from pathlib import Path
 
-from supervisor.cli import default_runtime_dir
+from engined.engine.contract import default_runtime_dir
 
 
 class RuntimeError_(Exception):

@@ -44,7 +44,6 @@ class CappedRunner(web.AppRunner):
     def __init__(self, app: web.Application, max_connections: int, **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self.max_connections = max_connections
-        self.refused = 0
 
     @property
     def server(self) -> Any:  # what sites use as their protocol factory
@@ -58,7 +57,6 @@ class _CappedFactory:
 
     def __call__(self) -> asyncio.BaseProtocol:
         if len(self.inner.connections) >= self.runner.max_connections:
-            self.runner.refused += 1
             return _Refuse()
         return self.inner()
 

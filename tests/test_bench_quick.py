@@ -15,7 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(1200)]
 TIMEOUT_S = 900  # a bound, not a timing assertion: the quick run takes ~2-3 min
 
 ENGINED = "engined (echo engine)"

@@ -15,9 +15,9 @@ import subprocess
 import time
 
 import yaml
+from driver import PYTHON, REPO_ROOT, _clean_env, wait_engines_gone
 
 from chaos.procs import fleet_processes
-from conftest import PYTHON, REPO_ROOT, _clean_env, wait_engines_gone
 
 NO_ORPHANS_WITHIN_S = 5.0
 LOAD_S = 3.0  # the loading engine's "model load": long enough to be caught STARTING
@@ -122,7 +122,7 @@ def test_sigkill_moments_after_start_leaves_no_engine(short_tmp):
     rng = random.Random()
     for attempt in range(4):
         with open(short_tmp / f"engined-{attempt}.stderr", "wb") as err:
-            proc = subprocess.Popen([PYTHON, "-m", "supervisor.daemon", "-c", str(path)],
+            proc = subprocess.Popen([PYTHON, "-m", "engined.supervisor.daemon", "-c", str(path)],
                                     cwd=REPO_ROOT, env=_clean_env(), stdin=subprocess.DEVNULL,
                                     stdout=err, stderr=err)
         # Even attempts: at a random moment of start-up (before or while spawning); odd ones:
@@ -137,15 +137,15 @@ def test_sigkill_moments_after_start_leaves_no_engine(short_tmp):
         _assert_fleet_gone(proc.pid, set())
 
     # The last one's lock and sockets are stale: a daemon starts on that directory cleanly.
-    final = subprocess.Popen([PYTHON, "-m", "supervisor.daemon", "-c", str(path)],
+    final = subprocess.Popen([PYTHON, "-m", "engined.supervisor.daemon", "-c", str(path)],
                              cwd=REPO_ROOT, env=_clean_env(), stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         sock = str(short_tmp / "rt" / "control.sock")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            out = subprocess.run([PYTHON, "-m", "supervisor.cli", "--socket", sock, "status",
-                                  "--json"], cwd=REPO_ROOT, env=_clean_env(),
+            out = subprocess.run([PYTHON, "-m", "engined.supervisor.cli", "--socket", sock,
+                                  "status", "--json"], cwd=REPO_ROOT, env=_clean_env(),
                                  capture_output=True, text=True, timeout=30)
             if out.returncode == 0:
                 break

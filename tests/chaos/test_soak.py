@@ -30,11 +30,11 @@ from typing import Any
 
 import psutil
 import pytest
+from driver import Daemon, http_request, leftover_engines
 
 from chaos.procs import fleet_processes
-from conftest import Daemon, http_request, leftover_engines
 
-pytestmark = pytest.mark.soak
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(1800)]
 
 SOAK_S = float(os.environ.get("ENGINED_SOAK_S", "120"))
 SEED = int(os.environ.get("ENGINED_SOAK_SEED", str(random.randrange(1 << 30))))
@@ -270,8 +270,10 @@ def _summary(soak: Soak, engines: dict[str, dict[str, Any]], fd_baseline: int, f
     for e in engines.values():
         restarts.update(e["restarts_by_reason"])
     expected = collections.Counter(FAULTS[i.fault] for i in soak.injections)
-    rows += ["", "| restart reason | expected (injected) | counted by engined |", "| --- | --- | --- |"]
-    rows += [f"| {r} | {expected[r]} | {restarts[r]} |" for r in sorted(set(expected) | set(restarts))]
+    rows += ["", "| restart reason | expected (injected) | counted by engined |",
+             "| --- | --- | --- |"]
+    rows += [f"| {r} | {expected[r]} | {restarts[r]} |"
+             for r in sorted(set(expected) | set(restarts))]
     fd_first, fd_last = _thirds(soak.samples.fds)
     rss_first, rss_last = _thirds(soak.samples.rss)
     rows += ["", "| daemon | first third (median) | last third (median) | baseline | end |",

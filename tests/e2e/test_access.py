@@ -20,9 +20,7 @@ import subprocess
 import sys
 
 import pytest
-
-from conftest import (ORPHAN_GRACE_S, REPO_ROOT, Daemon, _clean_env, build_spec,
-                      wait_engines_gone)
+from driver import ORPHAN_GRACE_S, REPO_ROOT, Daemon, _clean_env, build_spec, wait_engines_gone
 
 OTHER_UID = 65534
 
@@ -33,7 +31,7 @@ pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a
 _AS_OTHER_UID = f"""
 import os, socket, sys
 import argparse, gettext, http.client, json, shutil, textwrap  # noqa: F401
-import supervisor.cli
+import engined.supervisor.cli
 # Everything is imported before dropping privileges: the interpreter's stdlib may live under a
 # directory the other uid cannot read (e.g. /root/.pyenv).
 os.setgroups([])
@@ -49,7 +47,7 @@ if sys.argv[1] == "--raw":
         reply += chunk
     print(reply.decode("latin-1"))
     sys.exit(0)
-sys.exit(supervisor.cli.main(sys.argv[1:]))
+sys.exit(engined.supervisor.cli.main(sys.argv[1:]))
 """
 
 

@@ -11,9 +11,9 @@ import subprocess
 
 import msgspec
 import zmq
+from driver import process_gone, read_until, stream_lines
 
-from conftest import process_gone, read_until, stream_lines
-from engine import protocol as proto
+from engined.engine import protocol as proto
 
 ECHO2 = {"name": "echo", "replicas": 2, "model": "builtin:echo"}
 
@@ -172,7 +172,7 @@ def test_bad_control_requests_leave_the_fleet_alone(engined):
 
 
 def _heartbeat(engine: str, incarnation: int) -> bytes:
-    return proto.encode(proto.Heartbeat(engine, incarnation, seq=1, iteration=1,
+    return proto.encode(proto.Heartbeat(engine, incarnation, iteration=1,
                                         last_iteration_at=0.0, waiting=0, running=0))
 
 
@@ -193,13 +193,14 @@ def test_garbage_zmq_frames_are_counted_and_dropped(engined):
         [_heartbeat("nosuch", 1)],  # unknown engine
         [_heartbeat("echo-0", inc - 1)],  # a stale incarnation
         [_heartbeat("echo-0", inc + 7)],  # not the current one either
-        [proto.encode(proto.Ready("echo-1", inc + 1, 0.0, "cpu", "builtin:echo", "none"))],
     ]
+    ready = proto.encode(proto.Ready("echo-1", inc + 1, 0.0, "cpu", "builtin:echo", "none"))
     request_frames: list[list[bytes]] = [
         [os.urandom(64)],
         [b"two", b"parts"],  # the ROUTER sees three frames
         [proto.encode(proto.GenerateRequest("y", "hi"))],  # unexpected direction
         [proto.encode(proto.GenerateResult("no-such-request", "echo-0", inc, text="x"))],
+        [ready],  # READY travels here, but from another engine's routing identity: forged
     ]
     ctx = zmq.Context()
     try:
@@ -209,7 +210,7 @@ def test_garbage_zmq_frames_are_counted_and_dropped(engined):
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 5000)
         dealer.connect(f"ipc://{d.runtime_dir}/engines-requests.sock")
-        for frames in control_frames + bogus:
+        for frames in [*control_frames, *bogus, [ready]]:  # READY on the wrong channel
             push.send_multipart(frames)
         for frames in request_frames:
             dealer.send_multipart(frames)
@@ -218,8 +219,8 @@ def test_garbage_zmq_frames_are_counted_and_dropped(engined):
     finally:
         ctx.term()  # waits (bounded by LINGER) until everything is delivered
 
-    expected = {"malformed": len(control_frames) + 2, "unknown_engine": 1, "stale": 4,
-                "unexpected": 1}
+    expected = {"malformed": len(control_frames) + 3, "unknown_engine": 1, "stale": 3,
+                "unexpected": 1, "forged": 1}
     d.wait_for(lambda: d.status()["supervisor"]["ipc_dropped"] == expected, 10,
                f"ipc_dropped == {expected} (now {d.status()['supervisor']['ipc_dropped']})")
 

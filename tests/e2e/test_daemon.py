@@ -8,15 +8,13 @@ import sys
 import time
 
 import yaml
-
-from conftest import (REPO_ROOT, _clean_env, process_gone, read_until, stream_lines,
-                      wait_engines_gone)
+from driver import REPO_ROOT, _clean_env, process_gone, read_until, stream_lines, wait_engines_gone
 
 ECHO2 = {"name": "echo", "replicas": 2, "model": "builtin:echo"}
 
 
 def _run_daemon(*args: str, timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor.daemon", *args], cwd=REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "engined.supervisor.daemon", *args], cwd=REPO_ROOT,
                           env=_clean_env(), stdin=subprocess.DEVNULL, capture_output=True,
                           text=True, timeout=timeout_s)
 

@@ -24,8 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from conftest import Daemon
+from driver import Daemon
 
 ECHO2 = {"name": "echo", "replicas": 2, "model": "builtin:echo"}
 RECOVER_WITHIN_S = 20.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -9,8 +10,7 @@ import subprocess
 import time
 
 import psutil
-
-from conftest import process_gone
+from driver import process_gone
 
 ECHO = {"name": "echo", "replicas": 1, "model": "builtin:echo"}
 HEARTBEAT_INTERVAL_S = 0.2  # the fixture's defaults
@@ -51,7 +51,7 @@ def test_fleet_ready_status_and_generate(engined):
     for e in data["engines"]:
         assert ENGINE_FIELDS <= set(e), sorted(ENGINE_FIELDS - set(e))
         assert e["group"] == "echo" and e["state"] == "READY"
-        assert psutil.Process(e["pid"]).cmdline()[-2:] == ["-m", "engine"]
+        assert psutil.Process(e["pid"]).cmdline()[-2:] == ["-m", "engined.engine"]
         assert e["incarnation"] == 1 and e["restarts"] == 0 and e["last_exit"] is None
         assert e["since"] <= time.time() and e["startup_s"] > 0
         assert e["heartbeat_age_s"] is not None and e["heartbeat_age_s"] >= 0
@@ -310,3 +310,19 @@ def test_stop_during_backoff_cancels_the_pending_restart(engined):
     assert out.returncode == 1, out  # it cannot become READY: the wait times out
     assert "not READY within 1.5s" in out.stdout, out
     assert d.ctl("stop", "bad-0").returncode == 0
+
+
+def test_children_see_only_the_engine_package_of_this_installation(engined):
+    """The child's path gets a directory holding only `engined/engine` (a link to this
+    installation's engine package), never the directory engined was installed into: under a
+    normal install that is the daemon venv's whole site-packages, which would shadow an engine
+    venv's own torch and transformers (`python:`)."""
+    package = importlib.import_module("engined.engine")  # (`engined` is the fixture here)
+    d = engined([ECHO])
+    env = psutil.Process(d.engine("echo-0")["pid"]).environ()
+    first = env["PYTHONPATH"].split(os.pathsep)[0]
+    assert first == str(d.runtime_dir / "python"), env["PYTHONPATH"]
+    assert sorted(os.listdir(first)) == ["engined"]
+    assert os.listdir(os.path.join(first, "engined")) == ["engine"]
+    link = os.path.join(first, "engined", "engine")
+    assert os.path.realpath(link) == os.path.realpath(next(iter(package.__path__)))

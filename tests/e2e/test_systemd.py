@@ -12,10 +12,9 @@ import threading
 import time
 from pathlib import Path
 
+import driver
 import pytest
 import yaml
-
-import conftest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,10 +59,10 @@ def notify_daemon(engined, monkeypatch, short_tmp):
         listener = NotifyListener(address)
         listeners.append(listener)
         extra = {"NOTIFY_SOCKET": address, "WATCHDOG_USEC": str(watchdog_usec)}
-        clean = conftest._clean_env
-        monkeypatch.setattr(conftest, "_clean_env", lambda: {**clean(), **extra})
+        clean = driver._clean_env
+        monkeypatch.setattr(driver, "_clean_env", lambda: {**clean(), **extra})
         daemon = engined(**kwargs)
-        monkeypatch.setattr(conftest, "_clean_env", clean)
+        monkeypatch.setattr(driver, "_clean_env", clean)
         return daemon, listener
 
     yield start
@@ -163,7 +162,7 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
 
 @pytest.mark.parametrize("example", sorted((REPO / "etc").rglob("*.yaml")), ids=lambda p: p.name)
 def test_example_fleets_pass_check(example):
-    done = subprocess.run([sys.executable, "-m", "supervisor.daemon", "-c", str(example),
+    done = subprocess.run([sys.executable, "-m", "engined.supervisor.daemon", "-c", str(example),
                            "--check"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
 
@@ -218,7 +217,7 @@ def test_reload_applies_only_the_difference(engined):
     out = _reload(daemon)
     assert _line(out, "removed") == ["b-0"]
     daemon.wait_for(lambda: "b-0" not in daemon.engines(), 20, "b-0 gone from status")
-    daemon.wait_for(lambda: conftest.process_gone(start["b-0"][0]), 20, "b-0's process gone")
+    daemon.wait_for(lambda: driver.process_gone(start["b-0"][0]), 20, "b-0's process gone")
     assert {n: _pids(daemon)[n] for n in ("a-0", "a-1")} == {n: start[n] for n in ("a-0", "a-1")}
 
     c_before = _pids(daemon)["c-0"]
@@ -246,7 +245,7 @@ def test_reload_resizes_a_group_without_touching_the_others(engined):
     assert _line(out, "removed") == ["a-1", "a-2"]
     daemon.wait_for(lambda: list(daemon.engines()) == ["a-0"], 20, "only a-0 left")
     assert _pids(daemon)["a-0"] == start["a-0"]
-    daemon.wait_for(lambda: all(conftest.process_gone(three[n][0]) for n in ("a-1", "a-2")), 20,
+    daemon.wait_for(lambda: all(driver.process_gone(three[n][0]) for n in ("a-1", "a-2")), 20,
                     "the removed replicas' processes gone")
 
 

@@ -1,4 +1,5 @@
-"""End to end: the real daemon serving real tiny-llama engines (torch on CPU) through enginectl/HTTP.
+"""End to end: the real daemon serving real tiny-llama engines (torch on CPU) through enginectl
+and HTTP.
 
 The tiny model is built once per session into its own cache directory, which every engine gets
 through the spec's `env: {ENGINED_CACHE_DIR: ...}`. The read-only checks and the single-replica
@@ -24,9 +25,7 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
-
-from conftest import (ORPHAN_GRACE_S, PYTHON, REPO_ROOT, Daemon, _clean_env, build_spec,
-                      process_gone, wait_engines_gone)
+from driver import ORPHAN_GRACE_S, PYTHON, Daemon, build_spec, process_gone, wait_engines_gone
 
 READY_TIMEOUT_S = 120.0  # torch import + load + warm-up, two replicas sharing a small CPU box
 FAILED_TIMEOUT_S = 60.0
@@ -191,7 +190,7 @@ def test_concurrent_requests_are_batched(ready_fleet: Daemon):
     prompts = [f"prompt number {i}" for i in range(16)]
     results = asyncio.run(_generate_many(d.socket, prompts, 64))
     assert [code for code, _ in results] == [200] * 16, results
-    for code, body in results:
+    for _, body in results:
         assert body["engine"] in ("tiny-0", "tiny-1"), body
         assert 0 < body["completion_tokens"] <= 64, body
         assert 1 <= body["batch_size"] <= 8, body  # max_batch_size
@@ -226,7 +225,7 @@ def test_sigterm_runs_cleanup_and_reports_it(ready_fleet: Daemon):
     assert last["reason"] == "signal", last
     line = _cleanup_line(d.log_text("tiny-1"), "tiny-1", old["incarnation"])
     assert "reason=signal SIGTERM" in line and "model_freed=1" in line, line
-    assert any(l.startswith("[cleanup] tiny-1") for l in last["log_tail"]), last["log_tail"]
+    assert any(x.startswith("[cleanup] tiny-1") for x in last["log_tail"]), last["log_tail"]
     assert new["last_cleanup"], new  # the child's Goodbye report, kept across the restart
     assert new["last_cleanup"].get("model_freed") == 1, new["last_cleanup"]
     assert _generate_text(d, "--engine", "tiny-1", "hello")
@@ -246,7 +245,7 @@ def test_exception_in_busy_loop_runs_cleanup_and_restarts(ready_fleet: Daemon):
     assert "RuntimeError: fault injected by request" in log
     line = _cleanup_line(log, "tiny-0", old["incarnation"])
     assert "reason=exception" in line and "model_freed=1" in line, line
-    assert any("RuntimeError: fault injected" in l for l in last["log_tail"]), last["log_tail"]
+    assert any("RuntimeError: fault injected" in x for x in last["log_tail"]), last["log_tail"]
     assert new["last_cleanup"].get("model_freed") == 1, new
     assert _generate_text(d, "--engine", "tiny-0", "hello")
 

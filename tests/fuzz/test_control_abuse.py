@@ -24,10 +24,9 @@ from typing import Any
 
 import psutil
 import pytest
+from driver import Daemon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import Daemon
 
 ECHO2 = {"name": "echo", "replicas": 2, "model": "builtin:echo"}
 CLIENT_TIMEOUT_S = 10.0  # supervisor.control.CLIENT_TIMEOUT_S: slow clients are cut off after it
@@ -110,7 +109,7 @@ def request(method: str, target: str, body: bytes = b"", headers: dict[str, str]
     return head.encode("latin-1") + b"\r\n" + body
 
 
-# --- the fleet must not notice ---------------------------------------------------------------------
+# --- the fleet must not notice ------------------------------------------------------------------
 
 
 def _identity(d: Daemon) -> dict[str, tuple[Any, ...]]:
@@ -122,7 +121,7 @@ def _assert_fleet_unaffected(d: Daemon, before: dict[str, tuple[Any, ...]]) -> N
     engines = d.engines()
     assert {n: (e["pid"], e["incarnation"], e["restarts"], e["state"])
             for n, e in engines.items()} == before
-    for name, e in engines.items():
+    for e in engines.values():
         assert e["heartbeat_age_s"] is not None and e["heartbeat_age_s"] < HEARTBEAT_AGE_MAX_S, e
     assert d.ctl("generate", "--engine", "echo-1", "still fine").stdout.strip() == "still fine"
     log = d.stderr_text()
@@ -171,7 +170,7 @@ class HeartbeatWatch:
             self._stop.wait(0.1)
 
 
-# --- tests -----------------------------------------------------------------------------------------
+# --- tests --------------------------------------------------------------------------------------
 
 
 MALFORMED_HTTP = {

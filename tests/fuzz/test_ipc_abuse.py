@@ -1,12 +1,13 @@
 """IPC abuse: hostile frames on the daemon's engine sockets are ignored, counted and logged.
 
 Frames go to `ipc://<runtime_dir>/engines-control.sock` (the daemon's PULL, where children send
-Hello/Progress/Ready/Heartbeat/Goodbye) from a PUSH socket, and to `engines-requests.sock` (the
-daemon's ROUTER) from a DEALER: random and truncated frames, multi-part frames, valid messages of
-the wrong type or with wrong field types, stale incarnations and unknown engines for every message
-type, frames past the size bound, and a flood. Each is dropped and counted by kind (status
-`supervisor.ipc_dropped`, metric `engined_ipc_dropped_messages_total`) and logged (`[ipc]`,
-rate-limited); no engine changes state, pid, incarnation or restart count because of them.
+Hello/Progress/Heartbeat/Goodbye) from a PUSH socket, and to `engines-requests.sock` (the
+daemon's ROUTER, where children send Ready and results) from a DEALER: random and truncated
+frames, multi-part frames, valid messages of the wrong type or with wrong field types, stale
+incarnations and unknown engines for every message type, frames past the size bound, and a
+flood. Each is dropped and counted by kind (status `supervisor.ipc_dropped`, metric
+`engined_ipc_dropped_messages_total`) and logged (`[ipc]`, rate-limited); no engine changes
+state, pid, incarnation or restart count because of them.
 
 The expected drop kind of every frame is computed here with the same decoder the daemon uses, so
 the counts must match exactly. tests/e2e/test_control.py sends a fixed handful of such frames; this
@@ -27,11 +28,11 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from driver import Daemon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import Daemon
-from engine import protocol as proto
+from engined.engine import protocol as proto
 
 ECHO2 = {"name": "echo", "replicas": 2, "model": "builtin:echo"}
 NAMES = ("echo-0", "echo-1")
@@ -97,15 +98,16 @@ def expected_control(frames: list[bytes], current: dict[str, int]) -> str | None
 
 
 def expected_request(frames: list[bytes]) -> str | None:
-    """The drop kind for frames a DEALER sends (the ROUTER prepends our identity)."""
+    """The drop kind for frames a DEALER sends (the ROUTER prepends our identity, which is
+    ZeroMQ's generated one: never an engine's `name:incarnation`)."""
     if len(frames) != 1:
         return "malformed"
-    if not frames[0]:
-        return None  # an empty frame announces a routing identity
     try:
         msg = proto.decode_request(frames[0])
     except (msgspec.DecodeError, msgspec.ValidationError):
         return "malformed"
+    if isinstance(msg, proto.Ready):
+        return "forged"  # a READY must come from the engine's own routing identity
     return "stale" if isinstance(msg, proto.GenerateResult) else "unexpected"
 
 
@@ -125,7 +127,7 @@ def _messages(incarnation: st.SearchStrategy[int]) -> st.SearchStrategy[msgspec.
                   st.text(max_size=8)),
         st.builds(proto.Ready, _ENGINE_NAMES, incarnation, _FLOATS, st.text(max_size=5),
                   st.text(max_size=5), st.text(max_size=5), st.lists(gpu, max_size=2)),
-        st.builds(proto.Heartbeat, _ENGINE_NAMES, incarnation, _INTS, _INTS, _FLOATS, _INTS,
+        st.builds(proto.Heartbeat, _ENGINE_NAMES, incarnation, _INTS, _FLOATS, _INTS,
                   _INTS, _INTS, _INTS, st.lists(gpu, max_size=2), st.booleans()),
         st.builds(proto.Goodbye, _ENGINE_NAMES, incarnation, st.text(max_size=8),
                   st.dictionaries(st.text(max_size=5), _FLOATS, max_size=3)),
@@ -142,7 +144,7 @@ def _raw_maps() -> st.SearchStrategy[bytes]:
                             "nope", ""])
     values = st.one_of(st.none(), st.booleans(), _INTS, _FLOATS, st.text(max_size=8),
                        st.binary(max_size=8), st.lists(_INTS, max_size=3))
-    fields = st.dictionaries(st.sampled_from(["engine", "incarnation", "seq", "iteration", "pid",
+    fields = st.dictionaries(st.sampled_from(["engine", "incarnation", "iteration", "pid",
                                               "waiting", "running", "id", "prompt", "phase",
                                               "cleanup", "gpu_memory", "x"]), values, max_size=8)
     return st.builds(lambda tag, f: msgspec.msgpack.encode({"type": tag, **f}), tags, fields)
@@ -206,7 +208,7 @@ def test_generated_frames_are_dropped_and_counted_exactly(engined):
                f"ipc_dropped == {dict(expected)} (now {dict(_dropped(d))})")
     d.holds(lambda: all(e["state"] == "READY" for e in d.engines().values()), 1.0, "READY")
     assert _state(d) == before
-    assert re.search(r"WARNING \[ipc\] dropped (malformed|stale|unknown_engine|unexpected) ",
+    assert re.search(r"WARNING \[ipc\] dropped (malformed|stale|unknown_engine|unexpected|forged) ",
                      d.stderr_text()), d.stderr_text()[-3000:]
     for name in NAMES:
         assert d.ctl("generate", "--engine", name, "served").stdout.strip() == "served"
@@ -232,7 +234,7 @@ def test_every_message_type_from_stale_and_unknown_engines(engined):
         return [proto.Hello(engine, incarnation, os.getpid()),
                 proto.Progress(engine, incarnation, "weights", "x"),
                 proto.Ready(engine, incarnation, 1.0, "cpu", "builtin:echo", "none"),
-                proto.Heartbeat(engine, incarnation, 1, 1, 0.0, 5, 5),  # "busy", frozen loop
+                proto.Heartbeat(engine, incarnation, 1, 0.0, 5, 5),  # "busy", frozen loop
                 proto.Goodbye(engine, incarnation, "forged", {"x": 1.0})]
 
     try:
@@ -244,11 +246,11 @@ def test_every_message_type_from_stale_and_unknown_engines(engined):
                 sender.push.send(frame)
         # A stale heartbeat that, if applied, would look hung (seq 0, last iteration long ago)
         # and busy: applied, it would get a live engine killed for a stall.
-        stale = proto.encode(proto.Heartbeat("echo-0", inc - 1, 0, 0, 0.0, 9, 9))
+        stale = proto.encode(proto.Heartbeat("echo-0", inc - 1, 0, 0.0, 9, 9))
         for _ in range(50):
             sender.push.send(stale)
         expected["stale"] += 50
-        valid = proto.encode(proto.Heartbeat("echo-1", inc + 1, 7, 7, time.monotonic(), 0, 0))
+        valid = proto.encode(proto.Heartbeat("echo-1", inc + 1, 7, time.monotonic(), 0, 0))
         for cut in range(len(valid)):  # every proper prefix
             sender.push.send(valid[:cut])
         expected["malformed"] += len(valid)
@@ -335,7 +337,7 @@ def test_flood_is_counted_logged_once_per_interval_and_heartbeats_keep_flowing(e
 @pytest.mark.parametrize("identity", [b"echo-0:1", b"echo-1:999", b"\x00\xff", b"x" * 255])
 def test_dealers_with_forged_identities_change_nothing(engined, identity):
     """A DEALER claiming a live engine's routing identity (the ROUTER refuses a second peer with
-    an identity in use: nothing arrives), a stale one, or junk, and sending results."""
+    an identity in use: nothing arrives), a stale one, or junk, sending results and a READY."""
     d = engined([ECHO2])
     before = _state(d)
     ctx = zmq.Context()
@@ -344,14 +346,14 @@ def test_dealers_with_forged_identities_change_nothing(engined, identity):
         dealer.setsockopt(zmq.LINGER, 5000)
         dealer.setsockopt(zmq.IDENTITY, identity)
         dealer.connect(f"ipc://{d.runtime_dir}/engines-requests.sock")
-        dealer.send(b"")
         for i in range(20):
             dealer.send(proto.encode(proto.GenerateResult(f"forged-{i}", "echo-0", 1, "x")))
+        dealer.send(proto.encode(proto.Ready("echo-0", 1, 0.0, "cpu", "builtin:echo", "none")))
         dealer.close()
     finally:
         ctx.term()
     live = identity in (b"echo-0:1", b"echo-1:1")
-    expected = Counter() if live else Counter(stale=20)
+    expected = Counter() if live else Counter(stale=20, forged=1)
     d.wait_for(lambda: _dropped(d) == expected, 10, f"ipc_dropped == {dict(expected)}")
     assert _state(d) == before
     # The real engines are still reachable through their own identities.

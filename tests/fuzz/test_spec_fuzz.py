@@ -27,12 +27,12 @@ from typing import Any
 
 import pytest
 import yaml
+from driver import PYTHON, REPO_ROOT, _clean_env
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import PYTHON, REPO_ROOT, _clean_env
-from supervisor import daemon
-from supervisor.spec import SpecError, load_fleet
+from engined.supervisor import daemon
+from engined.supervisor.spec import SpecError, load_fleet
 
 IN_PROCESS_STRUCTURED = 300
 IN_PROCESS_TEXT = 150
@@ -73,7 +73,8 @@ EVERY_KEY = {
 
 
 def _shipped_specs() -> list[dict[str, Any]]:
-    files = [REPO_ROOT / "etc" / "fleet.yaml", *sorted((REPO_ROOT / "etc" / "examples").glob("*fleet*.yaml"))]
+    files = [REPO_ROOT / "etc" / "fleet.yaml",
+             *sorted((REPO_ROOT / "etc" / "examples").glob("*fleet*.yaml"))]
     return [yaml.safe_load(f.read_text()) for f in files]
 
 
@@ -145,16 +146,23 @@ WEIRD_TEXT = st.sampled_from(["", " ", "all", "builtin:", "builtin:nope", "127.0
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), HUGE,
                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20),
                     WEIRD_TEXT, DURATION_TEXT)
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
-                      | st.dictionaries(st.text(max_size=8) | WEIRD_TEXT, inner, max_size=4),
-                      max_leaves=12)
+
+
+def _containers(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(st.lists(inner, max_size=4),
+                     st.dictionaries(st.one_of(st.text(max_size=8), WEIRD_TEXT), inner,
+                                     max_size=4))
+
+
+VALUES = st.recursive(SCALARS, _containers, max_leaves=12)
 KNOWN_KEYS = ["version", "supervisor", "defaults", "engines", "name", "replicas", "model", "path",
               "dtype", "gpus", "gpus_per_replica", "data_parallel", "max_batch_size", "threads",
               "env", "restart", "backoff", "initial", "max", "factor", "jitter", "reset_after",
               "start_limit", "burst", "interval", "startup_timeout", "stall_timeout",
               "stop_timeout", "http", "control_socket", "runtime_dir", "log_dir",
               "heartbeat_interval", "heartbeat_timeout", "replica", "Name", "gpu", "<<"]
-KEYS = st.sampled_from(KNOWN_KEYS) | st.text(max_size=10) | st.integers() | st.booleans() | st.none()
+KEYS = (st.sampled_from(KNOWN_KEYS) | st.text(max_size=10) | st.integers() | st.booleans()
+        | st.none())
 OPS = ["drop", "replace", "replace", "rename", "add", "duplicate", "alias", "recursive", "nest",
        "wrong_container", "swap"]
 
@@ -262,7 +270,7 @@ def check_in_process(path: Path) -> tuple[int, str, str]:
 
 
 def check_subprocess(path: Path) -> tuple[int, str, str]:
-    done = subprocess.run([PYTHON, "-m", "supervisor.daemon", "-c", str(path), "--check"],
+    done = subprocess.run([PYTHON, "-m", "engined.supervisor.daemon", "-c", str(path), "--check"],
                           cwd=REPO_ROOT, env=_clean_env(), stdin=subprocess.DEVNULL,
                           capture_output=True, timeout=60)
     return (done.returncode, done.stdout.decode("utf-8", "replace"),

@@ -1,5 +1,6 @@
-"""Process level: a real tiny-llama engine child (`python -m engine`), driven over ZeroMQ sockets the
-test binds itself, as the daemon would: handshake, serving, SIGTERM cleanup, model errors → 78."""
+"""Process level: a real tiny-llama engine child (`python -m engined.engine`), driven over ZeroMQ
+sockets the test binds itself, as the daemon would: handshake, serving, SIGTERM cleanup, model
+errors → 78."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import zmq
 
-from engine import protocol as proto
+from engined.engine import contract
+from engined.engine import protocol as proto
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOAD_TIMEOUT_S = 120.0
@@ -27,7 +28,7 @@ LOAD_TIMEOUT_S = 120.0
 def cache() -> Iterator[Path]:
     """A module-wide ENGINED_CACHE_DIR with the tiny-llama checkpoint built up front."""
     root = Path(tempfile.mkdtemp(prefix="engined-cache-"))
-    done = subprocess.run([sys.executable, "-c", "from engine.llm import tiny_llama_dir; "
+    done = subprocess.run([sys.executable, "-c", "from engined.engine.llm import tiny_llama_dir; "
                            "tiny_llama_dir(lambda phase, detail: None)"],
                           cwd=REPO_ROOT, env=_env(root), capture_output=True, text=True,
                           timeout=300)
@@ -55,6 +56,22 @@ class Channels:
             raise AssertionError(f"no control message within {timeout_s:g}s")
         return proto.decode_control(self.control.recv())
 
+    def wait_ready(self, timeout_s: float) -> tuple[bytes, proto.Ready]:
+        """The child's READY, which arrives on the request channel from its routing identity."""
+        if not self.requests.poll(timeout_s * 1000):
+            raise AssertionError(f"no READY within {timeout_s:g}s")
+        identity, frame = self.requests.recv_multipart()
+        ready = proto.decode_request(frame)
+        assert isinstance(ready, proto.Ready), ready
+        return identity, ready
+
+    def queued_control(self) -> list[proto.ControlMessage]:
+        """Control messages already queued (sent before what was just seen elsewhere)."""
+        out = []
+        while self.control.poll(200):
+            out.append(proto.decode_control(self.control.recv()))
+        return out
+
     def control_until(self, kind: type, timeout_s: float) -> list[proto.ControlMessage]:
         """Every control message up to and including the first of `kind`."""
         deadline = time.monotonic() + timeout_s
@@ -80,8 +97,9 @@ def channels() -> Iterator[Channels]:
 
 def _env(cache: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINED_")}
-    env.update({"ENGINED_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO_ROOT),
-                "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+    env.pop("PYTHONPATH", None)  # the installed engined package, not the source tree
+    env.update({"ENGINED_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                "CUDA_VISIBLE_DEVICES": "",
                 "HF_HUB_OFFLINE": "1", "ENGINED_FAULT_INJECTION": "1"})
     return env
 
@@ -93,9 +111,9 @@ def _spawn(channels: Channels, cache: Path, model: str, dtype: str | None = None
         gpus=[], data_parallel=False, max_batch_size=8, threads=1,
         control_endpoint=channels.control_endpoint, request_endpoint=channels.request_endpoint,
         heartbeat_interval_s=0.2)
-    env = {**_env(cache), proto.ENV_CONFIG: proto.encode_config(config),
-           proto.ENV_PARENT_PID: str(os.getpid())}
-    return subprocess.Popen([sys.executable, "-m", "engine"], cwd=REPO_ROOT, env=env,
+    env = {**_env(cache), contract.ENV_CONFIG: proto.encode_config(config),
+           contract.ENV_PARENT_PID: str(os.getpid())}
+    return subprocess.Popen([sys.executable, "-m", "engined.engine"], cwd=REPO_ROOT, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -119,19 +137,16 @@ def test_handshake_serving_and_sigterm_cleanup(channels: Channels, cache: Path, 
     proc = _spawn(channels, cache, "builtin:tiny-llama")
     children.append(proc)
 
-    startup = channels.control_until(proto.Ready, LOAD_TIMEOUT_S)
-    hello, *progress, ready = startup
-    assert isinstance(hello, proto.Hello) and hello.pid == proc.pid, startup
+    # READY comes where requests flow, from the child's routing identity: it is routable now.
+    identity, ready = channels.wait_ready(LOAD_TIMEOUT_S)
+    assert identity == b"tiny-0:1"
+    assert (ready.device, ready.dtype, ready.model) == ("cpu", "float32", "builtin:tiny-llama")
+    assert ready.load_s > 0 and ready.gpu_memory == []
+    hello, *progress = channels.queued_control()
+    assert isinstance(hello, proto.Hello) and hello.pid == proc.pid, (hello, progress)
     phases = [m.phase for m in progress if isinstance(m, proto.Progress)]
     assert [p for p in phases if p in ("import", "weights", "warmup")] == [
         "import", "weights", "warmup"], phases
-    assert (ready.device, ready.dtype, ready.model) == ("cpu", "float32", "builtin:tiny-llama")
-    assert ready.load_s > 0 and ready.gpu_memory == []
-
-    # The child announced its routing identity on the request channel before READY.
-    assert channels.requests.poll(5000)
-    identity, first = channels.requests.recv_multipart()
-    assert (identity, first) == (b"tiny-0:1", b"")
 
     prompts = {f"r{i}": f"hello number {i}" for i in range(3)}
     for rid, prompt in prompts.items():
@@ -150,8 +165,11 @@ def test_handshake_serving_and_sigterm_cleanup(channels: Channels, cache: Path, 
         assert 1 <= result.batch_size <= len(prompts) and result.compute_s > 0, result
 
     # Heartbeats report the busy loop's progress: one soon counts the served requests.
-    beat = next(m for m in iter(lambda: channels.next_control(5.0), None)
-                if isinstance(m, proto.Heartbeat) and m.requests_ok == len(prompts))
+    deadline = time.monotonic() + 30.0
+    while True:
+        beat = channels.next_control(max(0.01, deadline - time.monotonic()))
+        if isinstance(beat, proto.Heartbeat) and beat.requests_ok == len(prompts):
+            break
     assert beat.iteration > 0 and beat.requests_failed == 0 and beat.waiting == 0, beat
 
     os.kill(proc.pid, signal.SIGTERM)
@@ -165,9 +183,7 @@ def test_handshake_serving_and_sigterm_cleanup(channels: Channels, cache: Path, 
 def test_exception_in_busy_loop_exits_1_after_cleanup(channels: Channels, cache: Path, children):
     proc = _spawn(channels, cache, "builtin:tiny-llama")
     children.append(proc)
-    channels.control_until(proto.Ready, LOAD_TIMEOUT_S)
-    assert channels.requests.poll(5000)
-    identity, _ = channels.requests.recv_multipart()
+    identity, _ = channels.wait_ready(LOAD_TIMEOUT_S)
     channels.requests.send_multipart([identity, proto.encode(proto.GenerateRequest("x", "!raise"))])
     code, out = _exit(proc, 30)
     assert code == 1, out
@@ -200,8 +216,8 @@ def test_model_error_exits_78(channels: Channels, cache: Path, children, tmp_pat
     proc = _spawn(channels, cache, model, dtype)
     children.append(proc)
     code, out = _exit(proc)
-    assert code == proto.EXIT_CONFIG, out
+    assert code == contract.EXIT_CONFIG, out
     assert "[config] invalid engine config:" in out and message in out, out
     seen = channels.control_until(proto.Goodbye, 5.0)
-    assert not any(isinstance(m, proto.Ready) for m in seen), seen
     assert seen[-1].reason == "config", seen[-1]
+    assert not channels.requests.poll(0), "no READY after a config error"

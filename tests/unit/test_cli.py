@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from supervisor import cli
+from engined.engine import contract
+from engined.supervisor import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOW = time.time()
@@ -330,8 +331,8 @@ def test_logs_follow_streams_until_the_server_closes(
 
 
 def test_logs_follow_flushes_each_line_and_exits_0_on_ctrl_c(sock: str) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "logs", "tiny-1", "-f"],
-                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "engined.supervisor.cli", "logs", "tiny-1",
+                             "-f"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         # The daemon keeps the stream open, so this line can only arrive through a flush.
         ready, _, _ = select.select([proc.stdout], [], [], 10)
@@ -457,15 +458,15 @@ def test_default_socket_is_used_without_option_or_env(
     ({}, f"/tmp/engined-{os.getuid()}"),
 ])
 def test_default_runtime_dir(env: dict[str, str], expected: str) -> None:
-    assert cli.default_runtime_dir(env) == expected
-    assert cli.default_socket_path(env) == f"{expected}/control.sock"
+    assert contract.default_runtime_dir(env) == expected
+    assert contract.default_socket_path(env) == f"{expected}/control.sock"
 
 
 def test_default_socket_path_reads_the_process_environment(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/42")
-    assert cli.default_socket_path() == "/run/user/42/engined/control.sock"
+    assert contract.default_socket_path() == "/run/user/42/engined/control.sock"
 
 
 # --- formatting -------------------------------------------------------------------------------
@@ -494,19 +495,20 @@ def test_format_last_exit(last_exit: dict[str, Any] | None, expected: str) -> No
 
 
 def test_cli_imports_only_light_modules() -> None:
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import supervisor.cli"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c",
+                           "import engined.supervisor.cli"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     modules = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
                if line.startswith("import time:") and line.count("|") == 2}
-    assert "supervisor.cli" in modules
+    assert "engined.supervisor.cli" in modules
     heavy = {m for m in modules
              if m.split(".")[0] in {"aiohttp", "yaml", "zmq", "pydantic", "msgspec", "torch"}}
     assert not heavy
 
 
 def test_runs_as_a_script(sock: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "supervisor.cli", "status", "tiny-0"],
+    proc = subprocess.run([sys.executable, "-m", "engined.supervisor.cli", "status", "tiny-0"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert "tiny-0" in proc.stdout

@@ -6,10 +6,19 @@ import signal
 
 import pytest
 
-from supervisor.policy import (Action, ExitStatus, FailureHistory, Liveness, Reason,
-                               backoff_delay, check_liveness, decide, exit_reason)
-from supervisor.spec import BackoffSpec, StartLimitSpec
-from supervisor.state import EngineState, IllegalTransition, check_transition
+from engined.supervisor.policy import (
+    Action,
+    ExitStatus,
+    FailureHistory,
+    Liveness,
+    Reason,
+    backoff_delay,
+    check_liveness,
+    decide,
+    exit_reason,
+)
+from engined.supervisor.spec import BackoffSpec, StartLimitSpec
+from engined.supervisor.state import EngineState, IllegalTransition, check_transition
 
 BACKOFF = BackoffSpec(initial_s=1.0, max_s=30.0, factor=2.0, jitter=0.1, reset_after_s=60.0)
 LIMIT = StartLimitSpec(burst=5, interval_s=120.0)
@@ -80,8 +89,9 @@ def test_backoff_factor_one_is_constant():
     assert [backoff_delay(k, flat, 0.0) for k in (1, 2, 3, 9)] == [0.0, 2.0, 2.0, 2.0]
 
 
-def _decide(now, status, history=FailureHistory(), ready_since=None, restart="always",
+def _decide(now, status, history=None, ready_since=None, restart="always",
             reason=None, limit=LIMIT):
+    history = history if history is not None else FailureHistory()
     return decide(now, restart, status, reason or exit_reason(status), history, ready_since,
                   BACKOFF, limit, 0.0)
 

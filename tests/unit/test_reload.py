@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from supervisor.reload import plan_reload
-from supervisor.spec import parse_fleet
-from supervisor.systemd import Notifier
+from engined.supervisor.reload import plan_reload
+from engined.supervisor.spec import parse_fleet
+from engined.supervisor.systemd import Notifier
 
 
 def fleet(engines: str, supervisor: str = "") -> object:
@@ -28,8 +28,8 @@ B1 = "  - {name: b, model: 'builtin:echo'}\n"
      [], [], ["b-0"], ["a-0", "a-1"]),
     # replicas 2 -> 3 and 3 -> 1 only add or remove replicas
     (A2, "  - {name: a, replicas: 3, model: 'builtin:echo'}\n", ["a-2"], [], [], ["a-0", "a-1"]),
-    ("  - {name: a, replicas: 3, model: 'builtin:echo'}\n", "  - {name: a, model: 'builtin:echo'}\n",
-     [], ["a-1", "a-2"], [], ["a-0"]),
+    ("  - {name: a, replicas: 3, model: 'builtin:echo'}\n",
+     "  - {name: a, model: 'builtin:echo'}\n", [], ["a-1", "a-2"], [], ["a-0"]),
     # a data-parallel group's size is every rank's world size: a resize changes them all
     ("  - {name: d, replicas: 2, data_parallel: true, model: 'builtin:echo'}\n",
      "  - {name: d, replicas: 3, data_parallel: true, model: 'builtin:echo'}\n",

@@ -1,0 +1,63 @@
+"""What the daemon, the engine child and enginectl agree on, in one place.
+
+Standard library only: the engine child imports it (possibly under another virtual environment's
+interpreter, see the spec's `python:`), and enginectl must start fast. The message types live in
+`engined.engine.protocol`, which builds on this.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+# --- child exit codes (DESIGN "Engine lifecycle") ------------------------------------------------
+EXIT_OK = 0
+EXIT_FAILURE = 1  # a crash (engine child), another fatal error (daemon)
+EXIT_CONFIG = 78  # EX_CONFIG: the engine's own config or model is invalid; never restarted
+EXIT_SIGNAL_BASE = 128  # 128+N: terminated by signal N after cleanup
+
+# --- environment the daemon sets for each child --------------------------------------------------
+ENV_CONFIG = "ENGINED_CONFIG"  # JSON of protocol.EngineConfig
+ENV_PARENT_PID = "ENGINED_PARENT_PID"  # the daemon's pid, checked after PR_SET_PDEATHSIG
+
+# --- engine channels (ZeroMQ ipc:// endpoints the daemon binds in its runtime directory) ----------
+CONTROL_SOCKET_NAME = "engines-control.sock"
+REQUEST_SOCKET_NAME = "engines-requests.sock"
+
+
+def control_endpoint(runtime_dir: str | os.PathLike[str]) -> str:
+    return f"ipc://{os.fspath(runtime_dir)}/{CONTROL_SOCKET_NAME}"
+
+
+def request_endpoint(runtime_dir: str | os.PathLike[str]) -> str:
+    return f"ipc://{os.fspath(runtime_dir)}/{REQUEST_SOCKET_NAME}"
+
+
+def routing_id(engine: str, incarnation: int) -> bytes:
+    """The ZeroMQ routing identity of one incarnation of an engine on the request channel."""
+    return f"{engine}:{incarnation}".encode()
+
+
+# --- where the daemon lives -----------------------------------------------------------------------
+def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:
+    """$RUNTIME_DIRECTORY (first entry), else $XDG_RUNTIME_DIR/engined, else /tmp/engined-<uid>."""
+    env = os.environ if env is None else env
+    # systemd joins several RuntimeDirectory= entries with ':'; ours is the first.
+    runtime = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    if runtime:
+        return runtime
+    xdg = env.get("XDG_RUNTIME_DIR", "")
+    if xdg:
+        return os.path.join(xdg, "engined")
+    return f"/tmp/engined-{os.getuid()}"
+
+
+def default_socket_path(env: Mapping[str, str] | None = None) -> str:
+    """The control socket the daemon binds when the spec does not name one."""
+    return os.path.join(default_runtime_dir(env), "control.sock")
+
+
+def resolve_socket_path(option: str | None, env: Mapping[str, str] | None = None) -> str:
+    """--socket, else $ENGINED_SOCKET, else the daemon's default."""
+    env = os.environ if env is None else env
+    return option or env.get("ENGINED_SOCKET") or default_socket_path(env)

@@ -1,0 +1,70 @@
+"""HTTP over engined's unix control socket: the one client enginectl, the tests and the
+benchmarks use. Standard library only (enginectl must start fast)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from typing import Any
+
+CONNECT_TIMEOUT_S = 5.0  # a live daemon accepts at once; a long connect means it is gone or wedged
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTPConnection over an AF_UNIX socket; the Host header is `engined`."""
+
+    def __init__(self, socket_path: str, timeout_s: float | None = 30.0) -> None:
+        super().__init__("engined", timeout=timeout_s)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(min(CONNECT_TIMEOUT_S, self.timeout or CONNECT_TIMEOUT_S))
+            sock.connect(self.socket_path)
+            sock.settimeout(self.timeout)  # the per-request read timeout (None: wait forever)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def open_request(socket_path: str, method: str, path: str, body: Any = None,
+                 headers: dict[str, str] | None = None,
+                 timeout_s: float | None = 30.0) -> http.client.HTTPResponse:
+    """Send one request on its own connection and return the response, whatever its status.
+
+    `body` is bytes (sent as is) or anything JSON-serialisable. The response owns the socket
+    (`Connection: close`): reading it to the end, or closing it, closes the connection.
+    """
+    conn = UnixHTTPConnection(socket_path, timeout_s)
+    payload = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    sent = {"Accept": "application/json", "Connection": "close", **(headers or {})}
+    if payload is not None and not isinstance(body, bytes):
+        sent.setdefault("Content-Type", "application/json")
+    try:
+        conn.request(method, path, body=payload, headers=sent)
+        return conn.getresponse()
+    except BaseException:
+        conn.close()
+        raise
+
+
+def request(socket_path: str, method: str, path: str, body: Any = None,
+            headers: dict[str, str] | None = None,
+            timeout_s: float | None = 30.0) -> tuple[int, dict[str, str], bytes]:
+    """One request/response exchange: (status, lower-cased headers, body)."""
+    resp = open_request(socket_path, method, path, body, headers, timeout_s)
+    try:
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        resp.close()
+
+
+def get_json(socket_path: str, path: str, timeout_s: float | None = 30.0) -> Any:
+    """GET a JSON document; raises RuntimeError naming the status for anything but 200."""
+    status, _, raw = request(socket_path, "GET", path, timeout_s=timeout_s)
+    if status != 200:
+        raise RuntimeError(f"GET {path} -> {status}: {raw[:300]!r}")
+    return json.loads(raw)

@@ -1,0 +1,166 @@
+"""Who decides after an exit: one owner per engine group, holding the only failure history.
+
+* `ReplicaGroup` (Erlang's one_for_one): each replica fails and restarts on its own, with its own
+  backoff and start limit.
+* `Gang` (one_for_all), a data-parallel group: the ranks block in each other's collectives, so
+  restarting only a dead rank leaves the survivors wedged. When any rank exits unexpectedly
+  (crash, signal, hang, stall, startup timeout) the gang stops every other rank (SIGTERM,
+  stop_timeout, SIGKILL), and once all are down it takes ONE policy decision for the group:
+  backoff and the start limit apply to the group as a unit. The rank that failed first keeps its
+  own reason; its peers restart with reason `group`. Every gang (re)start gets a fresh
+  rendezvous address, so no rank can join a stale group.
+
+Replicas report exits here (`on_down`); decisions and operator commands flow back down.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+from dataclasses import dataclass
+
+from engined.supervisor.policy import Action, Decision, ExitStatus, FailureHistory, Reason, decide
+from engined.supervisor.replica import Down, Replica
+
+log = logging.getLogger("engined.group")
+
+
+def new_rendezvous(host: str = "127.0.0.1") -> str:
+    """A free TCP port for a data-parallel group's store (rank 0 listens on it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return f"{host}:{sock.getsockname()[1]}"
+
+
+def describe(decision: Decision) -> str:
+    if decision.action is Action.RESTART:
+        return ("restarting now" if decision.delay_s == 0
+                else f"restarting in {decision.delay_s:.2f}s") + f" ({decision.why})"
+    return f"{decision.action.value}: {decision.why}"
+
+
+class ReplicaGroup:
+    """A plain group: one_for_one, a failure history per replica."""
+
+    rendezvous: str | None = None
+
+    def __init__(self, name: str, rng: random.Random) -> None:
+        self.name = name
+        self.rng = rng
+        self.members: list[Replica] = []
+        self._history: dict[str, FailureHistory] = {}
+
+    def on_down(self, replica: Replica, down: Down) -> None:
+        spec = replica.spec
+        history = self._history.get(replica.name, FailureHistory())
+        decision, self._history[replica.name] = decide(
+            down.at, spec.restart, down.status, down.reason, history, down.ready_since,
+            spec.backoff, spec.start_limit, self.rng.uniform(-1.0, 1.0))
+        log.warning("[exit] %s pid %d %s (reason %s): %s", replica.name, down.pid,
+                    down.description, down.reason.value, describe(decision))
+        replica.apply(decision, down.reason)
+
+    # --- operator commands -------------------------------------------------------------------
+    def start(self, members: list[Replica]) -> None:
+        for replica in members:
+            if not replica.active:
+                self._history.pop(replica.name, None)  # a fresh start limit
+            replica.start()
+
+    def stop(self, members: list[Replica]) -> None:
+        for replica in members:
+            replica.stop()
+
+    def restart(self, members: list[Replica], reason: Reason = Reason.MANUAL) -> None:
+        for replica in members:
+            self._history.pop(replica.name, None)
+            replica.restart(reason)
+
+    def forget(self, replica: Replica) -> None:
+        self._history.pop(replica.name, None)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    reason: Reason
+    status: ExitStatus
+    at: float
+    ready_since: float | None  # when the whole group was last READY, for reset_after
+
+
+class Gang:
+    """A data-parallel group: one_for_all, one failure history for the whole gang."""
+
+    def __init__(self, name: str, rng: random.Random) -> None:
+        self.name = name
+        self.rng = rng
+        self.members: list[Replica] = []
+        self.history = FailureHistory()
+        self.rendezvous: str | None = new_rendezvous()
+        self._failure: _Failure | None = None
+        self._held: dict[str, Reason] = {}  # rank -> the reason counted when the gang restarts
+
+    def on_down(self, replica: Replica, down: Down) -> None:
+        if self._failure is None and not down.peer_stop:
+            self._failure = _Failure(down.reason, down.status, down.at, self._ready_since())
+            log.warning("[group] %s: %s failed (%s): stopping the other ranks", self.name,
+                        replica.name, down.reason.value)
+            for peer in self.members:
+                if peer is not replica:
+                    peer.stop_for_peer()
+            own = down.reason
+        else:
+            own = Reason.GROUP
+        log.warning("[exit] %s pid %d %s (reason %s): waiting for its group", replica.name,
+                    down.pid, down.description, own.value)
+        self._held[replica.name] = own
+        replica.hold(own)
+        self._maybe_respawn()
+
+    def _ready_since(self) -> float | None:
+        stamps = [m.ready_since for m in self.members]
+        return None if any(s is None for s in stamps) else max(s for s in stamps if s is not None)
+
+    def _maybe_respawn(self) -> None:
+        # `settled`, not "no process": a rank whose exit is known but not yet reported here
+        # would get the decision before its own report, then report into a decided gang.
+        if self._failure is None or not all(m.settled for m in self.members):
+            return  # some rank is still stopping
+        failure, self._failure = self._failure, None
+        spec = self.members[0].spec
+        decision, self.history = decide(
+            failure.at, spec.restart, failure.status, failure.reason, self.history,
+            failure.ready_since, spec.backoff, spec.start_limit, self.rng.uniform(-1.0, 1.0))
+        if decision.action is Action.RESTART:
+            self.rendezvous = new_rendezvous()
+        log.warning("[group] %s: all %d ranks down: %s", self.name, len(self.members),
+                    describe(decision).replace("restarting", "restarting the group", 1))
+        for member in self.members:
+            member.apply(decision, self._held.pop(member.name, Reason.GROUP))
+
+    # --- operator commands: the fleet passes the whole gang (one rank cannot rejoin alone) ---
+    def start(self, members: list[Replica]) -> None:
+        if not any(m.active for m in self.members):
+            self._fresh()
+        for member in members:
+            member.start()
+
+    def stop(self, members: list[Replica]) -> None:
+        for member in members:
+            member.stop()
+
+    def restart(self, members: list[Replica], reason: Reason = Reason.MANUAL) -> None:
+        self._fresh()
+        for member in members:
+            member.restart(reason)
+
+    def _fresh(self) -> None:
+        self.history, self._failure, self._held = FailureHistory(), None, {}
+        self.rendezvous = new_rendezvous()
+
+    def forget(self, replica: Replica) -> None:
+        self._held.pop(replica.name, None)
+
+
+Owner = ReplicaGroup | Gang

@@ -1,0 +1,552 @@
+"""One supervised engine replica: spawn, watch liveness, signal, await exit.
+
+No policy lives here. An exit that nobody asked for is reported to the replica's owner (its group,
+`supervisor.groups`), which takes the decision and tells the replica what to do (`apply`, `hold`).
+Operator commands reach a replica through its owner, too. Everything runs on the daemon's event
+loop: commands, child messages and the child's exit only change fields and wake the replica's
+coroutine (`run`). Readers never see those fields: they get an immutable `EngineView`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import enum
+import logging
+import random
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from engined.engine import protocol as proto
+from engined.supervisor.clock import Clock, to_wall
+from engined.supervisor.launcher import Child, ExitRecord, Launcher
+from engined.supervisor.logs import LogSink, PipeReader
+from engined.supervisor.policy import (
+    Action,
+    Decision,
+    ExitStatus,
+    Liveness,
+    Reason,
+    check_liveness,
+    exit_reason,
+    reached,
+)
+from engined.supervisor.spec import EngineSpec
+from engined.supervisor.state import EngineState, check_transition
+from engined.supervisor.view import EngineView, LastExit
+
+log = logging.getLogger("engined.engine")
+
+EXIT_TAIL_LINES = 20
+KILL_WAIT_S = 5.0  # after SIGKILL a process is normally reaped in milliseconds
+
+
+class Desired(enum.Enum):
+    RUN = "run"
+    STOPPED = "stopped"
+
+
+class _Command(enum.Enum):
+    STOP = "stop"
+    RESTART = "restart"
+    PEER_STOP = "peer_stop"  # the owner stops it because a data-parallel peer failed
+
+
+@dataclass(frozen=True)
+class Down:
+    """An exit for the owner to decide about."""
+
+    reason: Reason
+    status: ExitStatus
+    at: float  # monotonic
+    ready_since: float | None  # monotonic start of the READY run that just ended
+    peer_stop: bool  # the owner stopped it (a peer failed): not a failure of its own
+    pid: int
+    description: str  # "killed by SIGKILL", for the owner's log line
+
+
+class Owner(Protocol):
+    """The group a replica belongs to; it decides what follows an exit."""
+
+    @property
+    def rendezvous(self) -> str | None: ...
+
+    def on_down(self, replica: Replica, down: Down) -> None: ...
+
+
+@dataclass(frozen=True)
+class ReplicaDeps:
+    """What every replica shares; built once in the daemon's main."""
+
+    loop: asyncio.AbstractEventLoop
+    clock: Clock
+    launcher: Launcher
+    log_dir: Path
+    control_endpoint: str
+    request_endpoint: str
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    on_exit: Callable[[str, int, str], None]  # (name, incarnation, why): fail its requests
+    on_state: Callable[[str, EngineState, EngineState], None]
+    rng: random.Random = field(default_factory=random.Random)
+
+
+@dataclass
+class _Vitals:
+    """What the current incarnation has told us."""
+
+    spawned_at: float  # monotonic
+    heartbeat: proto.Heartbeat | None = None
+    heartbeat_at: float | None = None  # monotonic receive time (or the READY's)
+    ready: proto.Ready | None = None
+    ready_at: float | None = None
+    phase: str = "spawned"
+    cleanup_at: float | None = None  # the child announced its cleanup: it is exiting
+
+    @property
+    def busy(self) -> bool:
+        """Work queued or running, or blocked on DP peers: what makes a frozen loop a stall."""
+        hb = self.heartbeat
+        return bool(hb and (hb.waiting or hb.running or hb.in_collective))
+
+
+@dataclass
+class _Record:
+    """What outlives incarnations: counters and the last exit."""
+
+    restarts: collections.Counter[Reason] = field(default_factory=collections.Counter)
+    requests: collections.Counter[str] = field(default_factory=collections.Counter)
+    last_exit: LastExit | None = None
+    startup_s: float | None = None
+    cleanup: dict[str, float] = field(default_factory=dict)
+    cpu_seconds_exited: float = 0.0
+
+
+class Replica:
+    def __init__(self, spec: EngineSpec, deps: ReplicaDeps, owner: Owner) -> None:
+        self.spec = spec
+        self.deps = deps
+        self.owner = owner
+        self.clock = deps.clock
+        self.log = LogSink(deps.log_dir / f"{spec.name}.log")
+        self.state = EngineState.STOPPED
+        self.desired = Desired.RUN
+        self.incarnation = 0
+        self.child: Child | None = None
+        self.vitals: _Vitals | None = None
+        self.record = _Record()
+        self.since = self.clock.wall()
+        self.restart_at: float | None = None  # monotonic, while a backoff waits
+        self.fail_reason = ""
+        self._spawn_due: float | None = None
+        self._pending_reason: Reason | None = None  # counted at the next spawn
+        self._command: _Command | None = None
+        self._term_deadline: float | None = None
+        self._pipe: PipeReader | None = None
+        self._log_mark = 0
+        self._wake = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._watching = False  # between a spawn and the handling of that child's exit
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def pid(self) -> int | None:
+        return self.child.pid if self.child is not None and self.child.alive else None
+
+    @property
+    def active(self) -> bool:
+        """It has a child whose exit is not handled yet (running, or exited a moment ago and
+        about to be reported). Commands and owners go by this, not by the process alone: acting
+        on "no process" before the exit is handled would race that handling."""
+        return self._watching
+
+    @property
+    def settled(self) -> bool:
+        """Down and accounted for: no process, and its exit (if any) already handled. A child
+        whose exit is known but not yet handled is not settled."""
+        return not self._watching and self.state in (EngineState.STOPPED, EngineState.BACKOFF,
+                                                     EngineState.FAILED)
+
+    @property
+    def supervising(self) -> bool:
+        """Its coroutine runs (it ends only when the replica is closed)."""
+        return self._task is not None and not self._task.done()
+
+    @property
+    def wanted(self) -> bool:
+        return self.desired is Desired.RUN
+
+    @property
+    def ready_since(self) -> float | None:
+        """Monotonic start of the current (or just ended) incarnation's READY run."""
+        return self.vitals.ready_at if self.vitals is not None else None
+
+    # --- the view ----------------------------------------------------------------------------
+    def view(self) -> EngineView:
+        spec, vitals, rec, now = self.spec, self.vitals, self.record, self.clock.monotonic()
+        live = vitals if self.pid is not None else None
+        heartbeat_at = vitals.heartbeat_at if vitals else None
+        return EngineView(
+            name=spec.name, group=spec.group, rank=spec.rank, model=spec.model.source,
+            gpus=spec.gpus, state=self.state, wanted=self.desired is Desired.RUN, pid=self.pid,
+            incarnation=self.incarnation,
+            restarts_by_reason=tuple((r.value, n) for r, n in rec.restarts.items()),
+            since=self.since,
+            spawned_at=to_wall(self.clock, vitals.spawned_at) if vitals else None,
+            startup_s=rec.startup_s,
+            heartbeat_at=to_wall(self.clock, heartbeat_at) if heartbeat_at is not None else None,
+            heartbeat_age_s=(round(now - heartbeat_at, 3)
+                             if live is not None and heartbeat_at is not None else None),
+            heartbeat=live.heartbeat if live else None,
+            ready=vitals.ready if vitals else None,
+            phase=vitals.phase if vitals else "",
+            restart_at=to_wall(self.clock, self.restart_at) if self.restart_at else None,
+            fail_reason=self.fail_reason, last_exit=rec.last_exit, last_cleanup=dict(rec.cleanup),
+            cpu_seconds_exited=rec.cpu_seconds_exited,
+            requests=tuple(rec.requests.items()), data_parallel=spec.data_parallel)
+
+    def count_request(self, outcome: str) -> None:
+        self.record.requests[outcome] += 1
+
+    # --- lifecycle coroutine -----------------------------------------------------------------
+    def start_supervising(self) -> None:
+        self._spawn_due = self.clock.monotonic() if self.desired is Desired.RUN else None
+        self._task = self.deps.loop.create_task(self.run(), name=f"engine:{self.name}")
+
+    async def run(self) -> None:
+        while True:
+            due, now = self._spawn_due, self.clock.monotonic()
+            if due is not None and reached(now, due) and self.desired is Desired.RUN:
+                self._spawn_due = None
+                self._spawn()
+                await self._watch()
+                continue
+            await self._sleep(None if due is None else due - now)
+
+    async def _sleep(self, timeout_s: float | None) -> None:
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def _spawn(self) -> None:
+        self.incarnation += 1
+        self.child = self.deps.launcher.spawn(self._child_config(), dict(self.spec.env))
+        self._watching = True
+        self._pipe = PipeReader(self.deps.loop, self.child.output_fd, self.log)
+        self._log_mark = self.log.lines_total
+        if self._pending_reason is not None:
+            self.record.restarts[self._pending_reason] += 1
+            self._pending_reason = None
+        self.vitals = _Vitals(spawned_at=self.child.spawned_at)
+        self.restart_at = None
+        self._set_state(EngineState.STARTING)
+        self.log.note(f"spawned pid {self.child.pid} incarnation {self.incarnation}")
+        log.info("[spawn] %s pid %d incarnation %d", self.name, self.child.pid, self.incarnation)
+
+    async def _watch(self) -> None:
+        """Until the child exits: enforce liveness and carry out stop/restart commands."""
+        child = self.child
+        assert child is not None
+        killed_for: Reason | None = None
+        requested: _Command | None = None
+        while child.alive:
+            now = self.clock.monotonic()
+            if self._command is not None and requested is None:
+                requested, self._command = self._command, None
+                self._begin_stop(child, now)
+            if requested is not None or killed_for is not None:
+                next_at: float | None = self._escalate(child, now)
+            else:
+                killed_for, next_at = check_liveness(now, self._liveness())
+                if killed_for is not None:
+                    self._kill_for(child, killed_for)
+                    next_at = self._term_deadline
+            await self._wait_exit_or_wake(child, None if next_at is None else next_at - now)
+        self._on_exit(child, child.exited.result(), killed_for, requested)
+
+    async def _wait_exit_or_wake(self, child: Child, timeout_s: float | None) -> None:
+        self._wake.clear()
+        waker: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())
+        watched: set[asyncio.Future[Any]] = {child.exited, waker}
+        try:
+            await asyncio.wait(watched, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waker.cancel()
+
+    def _begin_stop(self, child: Child, now: float) -> None:
+        self._set_state(EngineState.STOPPING)
+        deadline = now + self.spec.stop_timeout_s
+        self._term_deadline = min(deadline, self._term_deadline or deadline)
+        log.info("[stop] %s pid %d: SIGTERM to its process group", self.name, child.pid)
+        child.signal_group(signal.SIGTERM)
+        child.signal_group(signal.SIGCONT)  # a stopped (SIGSTOP) process must see the SIGTERM
+
+    def _escalate(self, child: Child, now: float) -> float:
+        """SIGKILL once the stop deadline passes; return when to look again."""
+        deadline = self._term_deadline if self._term_deadline is not None else now
+        if reached(now, deadline):
+            log.warning("[stop] %s pid %d did not exit in time: SIGKILL", self.name, child.pid)
+            child.signal_group(signal.SIGKILL)
+            self._term_deadline = now + KILL_WAIT_S
+            return now + KILL_WAIT_S
+        return deadline
+
+    def _kill_for(self, child: Child, reason: Reason) -> None:
+        vitals = self.vitals
+        assert vitals is not None
+        age = self.clock.monotonic() - (vitals.heartbeat_at or child.spawned_at)
+        if reason is Reason.STALL:
+            what = "loop progress"
+        elif reason is Reason.STARTUP_TIMEOUT:
+            what = "READY in time"
+        elif vitals.cleanup_at is not None:
+            what = "exit within stop_timeout of its cleanup"
+        else:
+            what = "heartbeat"
+        log.warning("[%s] %s pid %d: no %s (last heartbeat %.1fs ago): SIGKILL to its group",
+                    reason.value, self.name, child.pid, what, age)
+        self._set_state(EngineState.STOPPING)
+        self._term_deadline = self.clock.monotonic() + KILL_WAIT_S
+        child.signal_group(signal.SIGKILL)
+
+    def _liveness(self) -> Liveness:
+        vitals = self.vitals
+        assert vitals is not None
+        last_seen = vitals.heartbeat_at or vitals.spawned_at
+        hb = vitals.heartbeat
+        if vitals.cleanup_at is not None:
+            # Exiting on its own (an exception, an external SIGTERM): its heartbeats stopped as
+            # its cleanup began, and a cleanup (CUDA release, gc) may outlast heartbeat_timeout.
+            # It gets stop_timeout from its announcement, as a requested stop would.
+            return Liveness(starting=False, spawned_at=vitals.spawned_at,
+                            startup_timeout_s=self.spec.startup_timeout_s,
+                            last_heartbeat_at=vitals.cleanup_at,
+                            heartbeat_timeout_s=self.spec.stop_timeout_s,
+                            last_iteration_at=vitals.cleanup_at, work_queued=False,
+                            stall_timeout_s=self.spec.stall_timeout_s)
+        return Liveness(starting=self.state is EngineState.STARTING,
+                        spawned_at=vitals.spawned_at,
+                        startup_timeout_s=self.spec.startup_timeout_s,
+                        last_heartbeat_at=last_seen,
+                        heartbeat_timeout_s=self.deps.heartbeat_timeout_s,
+                        last_iteration_at=hb.last_iteration_at if hb else last_seen,
+                        work_queued=vitals.busy, stall_timeout_s=self.spec.stall_timeout_s)
+
+    # --- exit --------------------------------------------------------------------------------
+    def _on_exit(self, child: Child, record: ExitRecord, killed_for: Reason | None,
+                 requested: _Command | None) -> None:
+        self._watching = False
+        if self._pipe is not None:
+            self._pipe.drain()
+        child.signal_group(signal.SIGKILL)  # stragglers in its group must not keep a GPU
+        self._term_deadline = None
+        status = record.status
+        reason = exit_reason(status, killed_for)
+        self.deps.on_exit(self.name, self.incarnation, _lost_because(reason, requested))
+        self.record.cpu_seconds_exited += record.cpu_seconds
+        expected = requested is not None or killed_for is not None
+        self.log.note(f"pid {child.pid} exited: {status.describe(not expected)}")
+        self._command = None
+        ready_since = self.vitals.ready_at if self.vitals else None
+        if self.desired is Desired.STOPPED:
+            self._set_state(EngineState.STOPPED)
+            log.info("[stop] %s pid %d stopped (%s)", self.name, child.pid,
+                     status.describe(unexpected=False))
+        elif requested is _Command.PEER_STOP:
+            self._record_exit(record, Reason.GROUP, unexpected=False)
+            self.owner.on_down(self, Down(Reason.GROUP, status, record.at_monotonic, ready_since,
+                                          True, child.pid, status.describe(unexpected=False)))
+        elif requested is not None:  # a restart, or a stop overtaken by a start
+            self._spawn_due = self.clock.monotonic()
+        else:
+            self._record_exit(record, reason, unexpected=killed_for is None)
+            self.owner.on_down(self, Down(reason, status, record.at_monotonic, ready_since,
+                                          False, child.pid, status.describe(killed_for is None)))
+
+    def _record_exit(self, record: ExitRecord, reason: Reason, unexpected: bool) -> None:
+        status = record.status
+        self.record.last_exit = LastExit(
+            status.code, status.signal_name, reason.value, record.at_wall,
+            status.describe(unexpected),
+            tuple(self.log.tail_since(self._log_mark, EXIT_TAIL_LINES)))
+
+    # --- what the owner tells it -------------------------------------------------------------
+    def apply(self, decision: Decision, reason: Reason) -> None:
+        """Carry out the owner's decision after an exit; `reason` is counted if it restarts."""
+        if self.desired is not Desired.RUN:
+            return
+        self._wake.set()
+        if decision.action is Action.RESTART:
+            self._pending_reason = reason
+            self._spawn_due = self.clock.monotonic() + decision.delay_s
+            if decision.delay_s > 0:
+                self.restart_at = self._spawn_due
+                self._set_state(EngineState.BACKOFF)
+        elif decision.action is Action.FAIL:
+            self.fail_reason = decision.why
+            self._set_state(EngineState.FAILED)
+        else:
+            self.desired = Desired.STOPPED
+            self._set_state(EngineState.STOPPED)
+
+    def hold(self, reason: Reason) -> None:
+        """Down, waiting for the owner's decision (a gang whose other ranks are stopping);
+        `reason` is what its exit counts as (a rank that failed after a peer: `group`)."""
+        self._spawn_due, self._pending_reason = None, reason
+        last = self.record.last_exit
+        if last is not None and last.reason != reason.value:
+            self.record.last_exit = dataclasses.replace(last, reason=reason.value)
+        self._set_state(EngineState.BACKOFF)
+
+    def stop_for_peer(self) -> None:
+        """A data-parallel peer failed: stop (SIGTERM, stop_timeout, SIGKILL), then report."""
+        if self._watching and self.desired is Desired.RUN:
+            self._command = _Command.PEER_STOP
+            self._wake.set()
+
+    # --- operator commands (through the owner, on the loop) ----------------------------------
+    def stop(self, deadline: float | None = None) -> None:
+        self.desired = Desired.STOPPED
+        # A pending backoff restart is cancelled: status must not keep announcing it.
+        self._spawn_due, self._pending_reason, self.restart_at = None, None, None
+        if deadline is not None:
+            self._term_deadline = deadline
+        if self._watching:
+            self._command = _Command.STOP
+        elif self.state is not EngineState.STOPPED:
+            self._set_state(EngineState.STOPPED)
+        self._wake.set()
+
+    def start(self) -> None:
+        self.desired = Desired.RUN
+        self.fail_reason = ""
+        if self._watching:
+            return  # running, or being stopped: `desired` brings it back after the exit
+        self._spawn_due = self.clock.monotonic()
+        self._wake.set()
+
+    def restart(self, reason: Reason = Reason.MANUAL) -> None:
+        self.desired = Desired.RUN
+        self.fail_reason = ""
+        self._pending_reason = reason
+        if self._watching:
+            self._command = _Command.RESTART
+        else:
+            self._spawn_due = self.clock.monotonic()
+        self._wake.set()
+
+    def kill_now(self) -> None:
+        """Second shutdown signal: no more waiting."""
+        if self.child is not None and self.child.alive:
+            self.child.signal_group(signal.SIGKILL)
+
+    async def wait_for(self, predicate: Callable[[EngineView], bool], timeout_s: float) -> bool:
+        """Until `predicate(view)` holds (True) or `timeout_s` passes (False)."""
+        deadline = self.clock.monotonic() + timeout_s
+        while not predicate(self.view()):
+            left = deadline - self.clock.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                return predicate(self.view())
+        return True
+
+    @property
+    def down(self) -> bool:
+        """Stopped or failed, and no process left."""
+        return self.state in (EngineState.STOPPED, EngineState.FAILED) and not self._watching
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.log.close()
+
+    # --- messages from the child -------------------------------------------------------------
+    def on_message(self, msg: proto.ChildMessage) -> bool:
+        """Apply a message from the child; False if it is from another incarnation."""
+        if isinstance(msg, proto.Goodbye) and 0 < msg.incarnation <= self.incarnation:
+            # A cleanup report may arrive after an immediate restart already began: it changes
+            # no state, so keep it (with its incarnation) rather than drop it as stale.
+            self.record.cleanup = {**msg.cleanup, "incarnation": float(msg.incarnation)}
+            return True
+        vitals = self.vitals
+        if msg.incarnation != self.incarnation or vitals is None or self.pid is None:
+            return False
+        now = self.clock.monotonic()
+        if isinstance(msg, proto.Heartbeat):
+            was_busy = vitals.busy
+            vitals.heartbeat_at, vitals.heartbeat = now, msg
+            if vitals.busy and not was_busy:
+                self._wake.set()  # the stall deadline may now come before the one it sleeps to
+            # Otherwise a heartbeat only moves deadlines later: the watcher re-checks at the old
+            # deadline with fresh data, and a fleet of idle engines costs no wake-ups.
+        elif isinstance(msg, proto.Ready):
+            self._on_ready(msg, now)
+        elif isinstance(msg, proto.Progress):
+            if msg.phase == proto.PHASE_CLEANUP:
+                vitals.phase = msg.phase
+                if vitals.cleanup_at is None:
+                    vitals.cleanup_at = now  # only moves the hang deadline later: no wake-up
+            elif self.state is EngineState.STARTING:
+                # Loading phases; READY travels on another socket and may overtake the last.
+                vitals.phase = msg.phase
+        return True
+
+    def _on_ready(self, msg: proto.Ready, now: float) -> None:
+        vitals = self.vitals
+        if self.state is not EngineState.STARTING or vitals is None or self.child is None:
+            return
+        vitals.ready, vitals.ready_at, vitals.heartbeat_at = msg, now, now
+        vitals.phase = "serving"
+        self.record.startup_s = now - vitals.spawned_at
+        self._set_state(EngineState.READY)
+        log.info("[ready] %s pid %d incarnation %d in %.3fs (device %s)", self.name,
+                 self.child.pid, self.incarnation, self.record.startup_s, msg.device)
+        self._wake.set()
+
+    # --- state -------------------------------------------------------------------------------
+    def _set_state(self, new: EngineState) -> None:
+        old = self.state
+        if new is old and new is not EngineState.STARTING:
+            return
+        self.state = check_transition(old, new)
+        self.since = self.clock.wall()
+        self.deps.on_state(self.name, old, new)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _child_config(self) -> proto.EngineConfig:
+        spec = self.spec
+        return proto.EngineConfig(
+            name=spec.name, group=spec.group, rank=spec.rank, replicas=spec.replicas,
+            incarnation=self.incarnation, model=spec.model.source, dtype=spec.model.dtype,
+            gpus=list(spec.gpus), data_parallel=spec.data_parallel,
+            max_batch_size=spec.max_batch_size, threads=spec.threads,
+            control_endpoint=self.deps.control_endpoint,
+            request_endpoint=self.deps.request_endpoint,
+            heartbeat_interval_s=self.deps.heartbeat_interval_s,
+            rendezvous=self.owner.rendezvous)
+
+
+def _lost_because(reason: Reason, requested: _Command | None) -> str:
+    """Why requests still on an incarnation failed, for their error text."""
+    if requested is _Command.STOP:
+        return "was stopped"
+    if requested is _Command.RESTART:
+        return "was restarted"
+    if requested is _Command.PEER_STOP:
+        return "was stopped with its data-parallel group"
+    return {Reason.HANG: "hung (no heartbeat)", Reason.STALL: "stalled (no loop progress)",
+            Reason.STARTUP_TIMEOUT: "did not become READY in time"}.get(reason, "exited")

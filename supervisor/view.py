@@ -1,0 +1,108 @@
+"""Immutable snapshots of the fleet: what status, metrics, health, readiness and counts read.
+
+A replica builds its `EngineView` on request; nothing outside `supervisor.replica` reads a
+replica's fields. "Wanted vs ready" is decided here once (`FleetView`), for every reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engined.engine import protocol as proto
+from engined.supervisor.state import EngineState
+
+
+@dataclass(frozen=True)
+class LastExit:
+    code: int | None
+    signal: str | None
+    reason: str
+    at: float  # unix time
+    description: str
+    log_tail: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": self.code, "signal": self.signal, "reason": self.reason, "at": self.at,
+                "description": self.description, "log_tail": list(self.log_tail)}
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """One replica at one moment. Times are unix seconds unless named `*_mono`."""
+
+    name: str
+    group: str
+    rank: int
+    model: str
+    gpus: tuple[int, ...]
+    state: EngineState
+    wanted: bool  # desired state is "run" (an operator did not stop it)
+    pid: int | None  # the live child's pid
+    incarnation: int
+    restarts_by_reason: tuple[tuple[str, int], ...]
+    since: float  # when it entered `state`
+    spawned_at: float | None  # the current (or last) incarnation's spawn
+    startup_s: float | None  # the last spawn -> READY
+    heartbeat_at: float | None  # the current (or last) incarnation's last heartbeat, or READY
+    heartbeat_age_s: float | None  # the live child's
+    heartbeat: proto.Heartbeat | None  # the live child's last heartbeat
+    ready: proto.Ready | None  # the current incarnation's READY
+    phase: str
+    restart_at: float | None  # a backoff's planned respawn
+    fail_reason: str
+    last_exit: LastExit | None
+    last_cleanup: dict[str, float]
+    cpu_seconds_exited: float  # earlier incarnations' CPU, so the counter never goes back
+    requests: tuple[tuple[str, int], ...]  # outcome -> count, daemon-side
+    data_parallel: bool
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state is EngineState.READY
+
+    @property
+    def restarts(self) -> int:
+        return sum(n for _, n in self.restarts_by_reason)
+
+    def requests_of(self, outcome: str) -> int:
+        return dict(self.requests).get(outcome, 0)
+
+    def restarts_of(self, reason: str) -> int:
+        return dict(self.restarts_by_reason).get(reason, 0)
+
+
+@dataclass(frozen=True)
+class FleetView:
+    engines: tuple[EngineView, ...]
+
+    def wanted(self) -> list[EngineView]:
+        return [e for e in self.engines if e.wanted]
+
+    def counts(self) -> tuple[int, int]:
+        """(READY engines, engines that should run)."""
+        wanted = self.wanted()
+        return sum(1 for e in wanted if e.is_ready), len(wanted)
+
+    def groups(self) -> dict[str, list[EngineView]]:
+        out: dict[str, list[EngineView]] = {}
+        for engine in self.engines:
+            out.setdefault(engine.group, []).append(engine)
+        return out
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """/health: 200 only when every engine that should run is READY."""
+        ready, wanted = self.counts()
+        status = "ok" if ready == wanted else ("down" if not ready else "degraded")
+        body = {"status": status, "engines": {e.name: e.state.value for e in self.engines},
+                "ready": ready, "expected": wanted}
+        return (200 if status == "ok" else 503), body
+
+    def readiness(self) -> tuple[int, dict[str, Any]]:
+        """/readyz: 200 when every group that should serve has a READY replica; 503 when one has
+        none, and when nothing should serve at all (every engine stopped)."""
+        groups = {group: any(e.is_ready for e in members if e.wanted)
+                  for group, members in self.groups().items() if any(e.wanted for e in members)}
+        ok = bool(groups) and all(groups.values())
+        status = "ready" if ok else ("not ready" if groups else "nothing to serve")
+        return (200 if ok else 503), {"status": status, "groups": groups}
