@@ -17,7 +17,6 @@ import http.client
 import os
 import random
 import re
-import shutil
 import socket
 import statistics
 import subprocess
@@ -31,17 +30,42 @@ from pathlib import Path
 import psutil
 
 from bench import llm
-from bench.core import (SETTLE_S, BenchError, Engined, Floor, Kill, ProcEvents, ReadyListener,
-                        Report, Tracker, engine_child_env, engined_kill_once,
-                        engined_kill_to_ready, floor_kill_once, floor_kill_to_ready, kill_once,
-                        machine_lines, wait_until)
-from bench.peers import PEERS, Circus, Supervisord, ensure_venv, peer_env, venv_root
+from bench.common import (
+    ROOT,
+    BenchError,
+    Cleanup,
+    Report,
+    StatusConnection,
+    Tracker,
+    cpu_busy_pct,
+    cpu_s,
+    default_out,
+    machine_lines,
+    med,
+    table,
+    wait_until,
+    without_engined_vars,
+)
+from bench.core import (
+    SETTLE_S,
+    Engined,
+    Floor,
+    Kill,
+    ProcEvents,
+    ReadyListener,
+    engine_child_env,
+    engined_kill_once,
+    engined_kill_to_ready,
+    floor_kill_once,
+    floor_kill_to_ready,
+    kill_once,
+)
+from bench.peers import PEERS, Circus, Supervisord, ensure_venv, peer_env
 
-ROOT = Path(__file__).resolve().parent.parent
 FLEET = 100  # children in scenarios 3, 4 and 6
 PEER_KILL_TIMEOUT_S = 20.0  # circus at its default check_delay (5 s) reaps only on its timer
 HB_AGE_LIMIT_S = 2.0
-HEARTBEAT_S = 1.0  # bench.core's SPEC: heartbeat_interval 1s
+HEARTBEAT_S = 1.0  # bench.common.HEARTBEATS: heartbeat_interval 1s
 
 # labels of the rows (and keys of the results)
 ENGINED = "engined (echo engine)"
@@ -55,12 +79,7 @@ CIRCUS_FAST = "circus (check_delay = 0.1 s)"
 PEER_ROWS = (SV, SV_ECHO, SV_NOPIPE, CIRCUS, CIRCUS_FAST)
 
 
-# --- formatting ----------------------------------------------------------------------------------
-def med(values):
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None
-
-
+# --- formatting (med: bench.common) --------------------------------------------------------------
 def ms(seconds: float | None) -> str:
     if seconds is None:
         return "–"
@@ -123,12 +142,7 @@ def circus_kill_once(c: Circus, events: ProcEvents | None, rng: random.Random) -
 def sample_idle(pids: dict[str, int], duration_s: float) -> dict[str, dict]:
     """CPU (user+sys of the supervisor process itself) over the window; RSS sampled each second."""
     procs = {label: psutil.Process(pid) for label, pid in pids.items()}
-
-    def cpu(p: psutil.Process) -> float:
-        t = p.cpu_times()
-        return t.user + t.system
-
-    c0 = {k: cpu(p) for k, p in procs.items()}
+    c0 = {k: cpu_s(p) for k, p in procs.items()}
     rss = {k: [p.memory_info().rss] for k, p in procs.items()}
     w0 = time.monotonic()
     deadline = w0 + duration_s
@@ -139,8 +153,8 @@ def sample_idle(pids: dict[str, int], duration_s: float) -> dict[str, dict]:
     wall = time.monotonic() - w0
     out = {}
     for k, p in procs.items():
-        cpu_s = cpu(p) - c0[k]
-        out[k] = {"cpu_s": cpu_s, "cpu_pct": 100 * cpu_s / wall, "rss_peak": max(rss[k]),
+        used = cpu_s(p) - c0[k]
+        out[k] = {"cpu_s": used, "cpu_pct": 100 * used / wall, "rss_peak": max(rss[k]),
                   "children": len(p.children()), "wall_s": wall, "samples": len(rss[k])}
     return out
 
@@ -149,8 +163,9 @@ def enginectl_argv(sock: str) -> tuple[list[str], str]:
     script = Path(sys.executable).parent / "enginectl"
     if script.exists():
         return [str(script), "--socket", sock, "status"], f"`{script.name} status` (console script)"
-    return ([sys.executable, "-m", "supervisor.cli", "--socket", sock, "status"],
-            "`python -m supervisor.cli status` (no enginectl script next to this interpreter)")
+    return ([sys.executable, "-m", "engined.supervisor.cli", "--socket", sock, "status"],
+            "`python -m engined.supervisor.cli status` (no enginectl script next to this "
+            "interpreter)")
 
 
 def timed_call(argv: list[str], env: dict, cwd: Path) -> tuple[float, int, int]:
@@ -205,15 +220,15 @@ def scrape_scenario(daemon: Engined, port: int, n: int, burst: int) -> dict:
         stop = threading.Event()
 
         def poll_status() -> None:  # its own connection to the control socket
-            probe = Engined.__new__(Engined)
-            probe.socket, probe.conn, probe.status_times = daemon.socket, None, []
-            while not stop.is_set():
-                ages = [e["heartbeat_age_s"] for e in probe.status()["engines"]
-                        if e["heartbeat_age_s"] is not None]
-                status_ages.append((time.time(), max(ages)))
-                stop.wait(0.2)
-            if probe.conn is not None:
-                probe.conn.close()
+            probe = StatusConnection(daemon.socket)
+            try:
+                while not stop.is_set():
+                    ages = [e["heartbeat_age_s"] for e in probe.get()["engines"]
+                            if e["heartbeat_age_s"] is not None]
+                    status_ages.append((time.time(), max(ages)))
+                    stop.wait(0.2)
+            finally:
+                probe.close()
         poller = threading.Thread(target=poll_status, daemon=True)
         poller.start()
         t0 = time.monotonic()
@@ -303,13 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     ctl_n = args.ctl_n or (5 if q else 20)
     llm_n = args.llm_n if args.llm_n is not None else (2 if q else 10)
     scrape_n, burst_n = 50, 200
-    out = Path(args.out or ROOT / "bench" / "results" /
-               ("compare-quick.md" if q else "compare.md"))
+    out = Path(args.out) if args.out else default_out("compare", q)
 
     r, tracker, rng = Report(), Tracker(), random.Random(8)
-    started: list = []
-    closers: list[Callable[[], None]] = []
-    dirs: list[Path] = []
+    cleanup = Cleanup(tracker)
     res: dict = {}
     t_run = time.monotonic()
     r(f"# engined vs supervisord vs circus{' (--quick)' if q else ''}", "", *machine_lines(),
@@ -318,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     venvs = prepare_peers(args.peers, args.venv_timeout, r)
     sv_venv, circus_venv = venvs["supervisord"], venvs["circus"]
     events = None if args.no_proc_events else ProcEvents.open()
+    if events is not None:
+        cleanup.closers.append(events.close)
     r(f"- kills per supervisor: n={n}; idle window: {idle_s:g} s at {FLEET} children; "
       f"status calls: n={ctl_n}; scrapes: n={scrape_n} + a burst of {burst_n}; "
       f"tiny-llama crashes: n={llm_n}",
@@ -325,14 +339,11 @@ def main(argv: list[str] | None = None) -> int:
                         "polling /proc/<pid>/task/<pid>/children (no proc connector here)"), "")
     try:
         # --- scenarios 1 and 2: every supervisor side by side, killed in turn ------------------
-        scratch = Path(tempfile.mkdtemp(prefix="ebf", dir="/tmp"))
-        dirs.append(scratch)
-        listener = ReadyListener(scratch)
-        closers.append(listener.close)
+        listener = ReadyListener(cleanup)
         daemon = Engined(1, tracker)
         floor = Floor(1, tracker)
-        floor_echo = Floor(1, tracker, [sys.executable, "-m", "engine"],
-                           engine_child_env(scratch, listener.endpoint))
+        floor_echo = Floor(1, tracker, [sys.executable, "-m", "engined.engine"],
+                           engine_child_env(listener))
         subjects = [Subject(ENGINED, daemon, lambda: engined_kill_once(daemon, tracker, events)),
                     Subject(FLOOR, floor, lambda: floor_kill_once(floor, events)),
                     Subject(FLOOR_ECHO, floor_echo, lambda: floor_kill_once(floor_echo, events))]
@@ -340,12 +351,9 @@ def main(argv: list[str] | None = None) -> int:
             sv = Supervisord(sv_venv, 1, tracker, label=SV)
             sv_np = Supervisord(sv_venv, 1, tracker, piped=False, label=SV_NOPIPE)
             # the same echo engine child engined runs, against a READY listener of its own
-            scratch_sv = Path(tempfile.mkdtemp(prefix="ebf", dir="/tmp"))
-            dirs.append(scratch_sv)
-            sv_listener = ReadyListener(scratch_sv)
-            closers.append(sv_listener.close)
-            sv_echo = Supervisord(sv_venv, 1, tracker, label=SV_ECHO, child_env=engine_child_env(
-                scratch_sv, sv_listener.endpoint))
+            sv_listener = ReadyListener(cleanup)
+            sv_echo = Supervisord(sv_venv, 1, tracker, label=SV_ECHO,
+                                  child_env=engine_child_env(sv_listener))
             subjects += [Subject(SV, sv, lambda: supervisord_kill_once(sv, events, rng)),
                          Subject(SV_ECHO, sv_echo,
                                  lambda: supervisord_kill_once(sv_echo, events, rng)),
@@ -358,9 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                          Subject(CIRCUS_FAST, cf, lambda: circus_kill_once(cf, events, rng))]
         for s in subjects:
             if hasattr(s.thing, "remove_dir") and hasattr(s.thing, "dir"):
-                dirs.append(s.thing.dir)  # removed at the end, whenever it stopped
-            started.append(s.thing)
-            s.thing.start()
+                cleanup.dirs.append(s.thing.dir)  # removed at the end, whenever it stopped
+            cleanup.start(s.thing)
         time.sleep(1.0)
         for _ in range(n):
             for s in subjects:
@@ -369,8 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         res["kills"] = {s.label: s.kills for s in subjects}
         for s in subjects:
             if s.thing not in (daemon, floor_echo):
-                s.thing.stop()
-                started.remove(s.thing)
+                cleanup.stop(s.thing)
 
         # kill → READY: engined and the floor's echo engine in turn, quiet observer
         ready, floor_ready = [], []
@@ -379,10 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             ready.append(engined_kill_to_ready(daemon, tracker, None))
             time.sleep(SETTLE_S)
             floor_ready.append(floor_kill_to_ready(floor_echo, listener))
-        floor_echo.stop()
-        started.remove(floor_echo)
-        daemon.stop()
-        started.remove(daemon)
+        cleanup.stop(floor_echo)
+        cleanup.stop(daemon)
         daemon.remove_dir()
         res.update(ready=ready, floor_ready=floor_ready)
 
@@ -396,15 +400,13 @@ def main(argv: list[str] | None = None) -> int:
             fleets[CIRCUS] = Circus(circus_venv, FLEET, tracker, None, CIRCUS)
             fleets[CIRCUS_FAST] = Circus(circus_venv, FLEET, tracker, 0.1, CIRCUS_FAST)
         t0 = time.monotonic()
-        started.append(big)
-        big.start(timeout_s=900)
+        cleanup.start(big, timeout_s=900)
         res["fleet_start_s"] = time.monotonic() - t0
-        for label, thing in fleets.items():
+        for thing in fleets.values():
             if thing is not big:
                 if hasattr(thing, "dir"):
-                    dirs.append(thing.dir)
-                started.append(thing)
-                thing.start()
+                    cleanup.dirs.append(thing.dir)
+                cleanup.start(thing)
         time.sleep(3.0)  # last READY and spawns done, heartbeats flowing
         res["idle"] = sample_idle({k: v.pid for k, v in fleets.items()}, idle_s)
         kids = psutil.Process(big.pid).children()
@@ -412,9 +414,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # scenario 4: status calls, tools in turn
         ctl_argv, ctl_how = enginectl_argv(big.socket)
-        engined_env = {k: v for k, v in os.environ.items()
-                       if not k.startswith("ENGINED_") and k != "NOTIFY_SOCKET"}
-        calls = {"enginectl": (ctl_argv, engined_env, ROOT)}
+        calls = {"enginectl": (ctl_argv, without_engined_vars(), ROOT)}
         if sv_venv:
             calls["supervisorctl"] = (fleets[SV].ctl_argv(), peer_env(), fleets[SV].dir)
         if circus_venv:
@@ -431,68 +431,43 @@ def main(argv: list[str] | None = None) -> int:
                 ctl[k]["rc"].add(rc)
                 ctl[k]["lines"] = lines
         res.update(ctl=ctl, ctl_how=ctl_how)
-        for label, thing in fleets.items():
+        for thing in fleets.values():
             if thing is not big:
-                thing.stop()
-                started.remove(thing)
+                cleanup.stop(thing)
 
         # scenario 6: scrape (the peers are gone; engined's 100 engines keep heartbeating)
         res["scrape"] = scrape_scenario(big, port, scrape_n, burst_n)
-        big.stop(60)
-        started.remove(big)
+        cleanup.stop(big, 60)
         big.remove_dir()
 
         # scenario 5: tiny-llama crash → READY vs a cold start
         if llm_n:
             cache = Path(tempfile.mkdtemp(prefix="engined-bench-cache-"))
-            dirs.append(cache)
+            cleanup.dirs.append(cache)
             checkpoint = llm.build_checkpoint(cache)
-            ld = llm.Daemon(cache, tracker)
-            started.append(ld)
-            ld.start()
+            ld = cleanup.start(llm.Daemon(cache, tracker))
             crashes, colds = [], []
             for _ in range(llm_n):
                 crashes.append(llm.crash_to_ready(ld))
                 colds.append(llm.cold_start(checkpoint, cache, tracker))
-            ld.stop()
-            started.remove(ld)
+            cleanup.stop(ld)
             ld.remove_dir()
             res.update(crashes=crashes, colds=colds)
         leftovers = tracker.kill_leftovers()
     finally:
-        for thing in reversed(started):
-            try:
-                thing.stop()
-                if hasattr(thing, "remove_dir"):
-                    thing.remove_dir()
-            except Exception as exc:  # noqa: BLE001 - cleanup must go on
-                print(f"cleanup: {exc}", file=sys.stderr)
-        tracker.kill_leftovers()
-        overruns = events.overruns if events is not None else 0
-        if events is not None:
-            events.close()
-        for close in closers:
-            close()
-        for path in dirs:
-            shutil.rmtree(path, ignore_errors=True)
+        cleanup.close()
+    overruns = events.overruns if events is not None else 0
 
     report(r, res, events is not None, n, idle_s, load_start, cpu_start, leftovers, overruns,
            time.monotonic() - t_run)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(r.text())
-    tmp.replace(out)
-    print(f"\n(written to {out})")
+    r.write(out)
     return 0
 
 
 # --- the report ----------------------------------------------------------------------------------
 def report(r: Report, res: dict, proc_events: bool, n: int, idle_s: float, load_start,
            cpu_start, leftovers, overruns: int, run_s: float) -> None:
-    cpu_end = psutil.cpu_times()
-    busy = (sum(cpu_end) - cpu_end.idle - cpu_end.iowait) - (
-        sum(cpu_start) - cpu_start.idle - cpu_start.iowait)
-    busy_pct = 100 * busy / max(1e-9, sum(cpu_end) - sum(cpu_start))
+    busy_pct = cpu_busy_pct(cpu_start)
     r(f"- machine load during the run: load average {load_start[0]:.2f} at start, "
       f"{os.getloadavg()[0]:.2f} at end; all CPUs {busy_pct:.0f} % busy on average "
       f"(everything on the machine, this benchmark included); run time {run_s:.0f} s. The rows "
@@ -528,7 +503,8 @@ def report(r: Report, res: dict, proc_events: bool, n: int, idle_s: float, load_
     ready, floor_ready = res["ready"], res["floor_ready"]
     r("### Kill → READY (echo engine)", "", "| measure | median | min – max | n |",
       "| --- | --- | --- | --- |",
-      f"| engined: SIGKILL → READY (the daemon's `since`) | {ms(med([x['since_s'] for x in ready]))}"
+      "| engined: SIGKILL → READY (the daemon's `since`) | "
+      f"{ms(med([x['since_s'] for x in ready]))}"
       f" | {span([x['since_s'] for x in ready])} | {len(ready)} |",
       f"| … of which spawn → READY (`startup_s`) | {ms(med([x['startup_s'] for x in ready]))} | "
       f"{span([x['startup_s'] for x in ready])} | {len(ready)} |",
@@ -545,7 +521,8 @@ def report(r: Report, res: dict, proc_events: bool, n: int, idle_s: float, load_
       "| --- | --- | --- | --- | --- | --- | --- | --- |")
     gone = {label: ms(m(label, "exit_s")) for label in rows}
     record = {ENGINED: "`last_exit.at` (GET /v1/status)", FLOOR: "its `exit` line",
-              FLOOR_ECHO: "its `exit` line", SV: "`exited:` log line", SV_ECHO: "`exited:` log line",
+              FLOOR_ECHO: "its `exit` line", SV: "`exited:` log line",
+              SV_ECHO: "`exited:` log line",
               SV_NOPIPE:
               "`exited:` log line", CIRCUS: "`reap` event's `time` (pub-sub)",
               CIRCUS_FAST: "`reap` event's `time` (pub-sub)"}
@@ -620,7 +597,7 @@ def report(r: Report, res: dict, proc_events: bool, n: int, idle_s: float, load_
                     f"{len(vals)} |")
         crash, cold = med([c["ready_s"] for c in cr]), med([c["generated_s"] for c in co])
         r("## 5. Crash → READY for a tiny-llama replica vs the cold-start floor", "",
-          "| measure | median | min – max | n |", "| --- | --- | --- | --- |",
+          *table("measure", "median", "min – max", "n"),
           srow("engined: SIGKILL → READY (`since`)", [c["ready_s"] for c in cr]),
           srow("… of which spawn → READY (`startup_s`)", [c["startup_s"] for c in cr]),
           srow("cold `python -c`: spawn → imports, `from_pretrained`, first generate done",
@@ -637,7 +614,7 @@ def report(r: Report, res: dict, proc_events: bool, n: int, idle_s: float, load_
     # 6. scrape
     sc = res["scrape"]
     r(f"## 6. Scrape: GET /metrics with {FLEET} echo engines", "",
-      "| measure | median | min – max | n |", "| --- | --- | --- | --- |",
+      *table("measure", "median", "min – max", "n"),
       f"| one scrape (keep-alive connection, one at a time) | {ms(med(sc['single']))} | "
       f"{span(sc['single'])} | {len(sc['single'])} |",
       f"| a scrape during a burst of {len(sc['burst'])} back-to-back | {ms(med(sc['burst']))} | "
@@ -713,12 +690,12 @@ def report(r: Report, res: dict, proc_events: bool, n: int, idle_s: float, load_
     r("## Summary of the targets", "", "| target | engined | reference (same run) | result |",
       "| --- | --- | --- | --- |", *rows_out, "")
     r("## Method", "",
-      "- engined: `python -m supervisor.daemon -c SPEC` with `builtin:echo` engines, 1 s "
+      "- engined: `python -m engined.supervisor.daemon -c SPEC` with `builtin:echo` engines, 1 s "
       "heartbeats, `backoff: {initial: 0s, max: 0s, reset_after: 0s}`, "
       "`start_limit.burst: 1000000` (every restart immediate); `http: off` in scenarios 1-2, "
       "`127.0.0.1:<free port>` for the fleet of 100.",
       "- floor: `bench/floor.py` (asyncio + pidfd + posix_spawn), once with the sleeping child "
-      "and once with the very `python -m engine` echo child engined runs.",
+      "and once with the very `python -m engined.engine` echo child engined runs.",
       "- supervisord and circus: pinned versions in their own venvs (see the peers line at the "
       "top), run from the venvs' binaries with PYTHONPATH removed; their child is the floor's "
       "sleeping interpreter (one more supervisord runs engined's own echo engine child, for a "

@@ -1,6 +1,7 @@
 """Core supervision benchmark: engined against the pidfd floor (bench/floor.py).
 
-    python -m bench.core [--quick] [--out bench/results/core.md]
+    python -m bench.core [--quick] [--out FILE]   # default bench/results/core.md,
+                                                  # --quick: bench/results/core-quick.md
 
 Scenarios (see bench/README.md): 1 detection latency, 2 respawn latency, 3 kill -> READY,
 4 idle overhead. Prints markdown tables and writes the same markdown to --out.
@@ -10,18 +11,13 @@ Every process started here is tracked by pid and cleaned up by pid (never by nam
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
-import platform
-import shutil
 import signal
 import socket
 import statistics
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -29,7 +25,25 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common import (
+    ROOT,
+    BenchDaemon,
+    BenchError,
+    Cleanup,
+    Report,
+    Tracker,
+    cpu_busy_pct,
+    cpu_s,
+    default_out,
+    machine_lines,
+    med,
+    read_children,
+    table,
+    terminate,
+    wait_until,
+    without_engined_vars,
+)
+
 TARGETS = {  # the issue's targets: (label, limit, unit)
     "detect": ("detection median", 2.0, "ms"),
     "respawn": ("respawn median", 5.0, "ms"),
@@ -42,38 +56,6 @@ SETTLE_S = 0.1  # after READY / respawn, before the next kill: let the new child
 
 
 # --- small helpers ------------------------------------------------------------------------------
-class BenchError(Exception):
-    pass
-
-
-def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.005):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise BenchError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(interval_s)
-
-
-def read_children(pid: int) -> set[int]:
-    """Children of `pid` spawned by its main thread, from /proc/PID/task/PID/children.
-
-    One open+read (a few microseconds); the kernel keeps this list, so a new child shows up the
-    moment clone() returns in the parent. Both supervisors spawn from their main (event-loop)
-    thread. psutil's children() scans all of /proc instead, so it is only the fallback.
-    """
-    try:
-        fd = os.open(f"/proc/{pid}/task/{pid}/children", os.O_RDONLY)
-    except FileNotFoundError:
-        return {p.pid for p in psutil.Process(pid).children()}
-    try:
-        return {int(x) for x in os.read(fd, 65536).split()}
-    finally:
-        os.close(fd)
-
-
 def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
@@ -85,179 +67,14 @@ def stats_row(name: str, samples: list[float], extra: str = "") -> str:
             f"{fmt_ms(max(samples))} ms | {len(samples)} |{extra}")
 
 
-class Report:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def __call__(self, *lines: str) -> None:
-        for line in lines:
-            print(line, flush=True)
-            self.lines.append(line)
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-
-class Tracker:
-    """Every process we started (psutil handles guard against pid reuse); killed by pid at exit."""
-
-    def __init__(self) -> None:
-        self.procs: dict[int, psutil.Process] = {}
-
-    def add(self, pid: int | None) -> None:
-        if pid and pid not in self.procs:
-            try:
-                self.procs[pid] = psutil.Process(pid)
-            except psutil.Error:
-                pass
-
-    def kill_leftovers(self) -> list[int]:
-        killed = []
-        for pid, proc in self.procs.items():
-            try:
-                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                    proc.kill()
-                    killed.append(pid)
-            except psutil.Error:
-                pass
-        return killed
-
-
 # --- engined ------------------------------------------------------------------------------------
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 5.0) -> None:
-        super().__init__("engined", timeout=timeout)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        sock.connect(self.unix_path)
-        self.sock = sock
-
-
-SPEC = """\
-version: 1
-supervisor:
-  http: {http}
-  runtime_dir: {runtime_dir}
-  heartbeat_interval: 1s
-  heartbeat_timeout: 10s
-defaults:
-  restart: always
-  # every restart immediate: no backoff delay, and the streak resets at once
-  backoff: {{initial: 0s, max: 0s, factor: 1.0, jitter: 0, reset_after: 0s}}
-  start_limit: {{burst: 1000000, interval: 1s}}
-  stop_timeout: 10s
-engines:
-  - name: echo
-    replicas: {replicas}
-    model: builtin:echo
-"""
-
-
-class Engined:
-    """One daemon in its own short runtime dir under /tmp (ZeroMQ ipc paths must stay short)."""
+class Engined(BenchDaemon):
+    """engined with `replicas` echo engines (`echo-0` ...), in /tmp/ebXXXXXXXX (tests/driver.py's
+    Daemon through bench.common.BenchDaemon: immediate restarts, 1 s heartbeats)."""
 
     def __init__(self, replicas: int, tracker: Tracker, http: str = "off") -> None:
-        self.tracker = tracker
-        self.dir = Path(tempfile.mkdtemp(prefix="eb", dir="/tmp"))
-        self.spec_path = self.dir / "fleet.yaml"
-        self.spec_path.write_text(SPEC.format(runtime_dir=self.dir, replicas=replicas, http=http))
-        self.socket = str(self.dir / "control.sock")
-        self.log_path = self.dir / "daemon.log"
-        self.replicas = replicas
-        self.proc: subprocess.Popen | None = None
-        self.conn: UnixHTTPConnection | None = None
-        self.status_times: list[float] = []  # round trip of each GET /v1/status
-
-    def start(self, timeout_s: float = 120.0) -> None:
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.daemon", "-c", str(self.spec_path)],
-            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            env={k: v for k, v in os.environ.items()
-                 if not k.startswith("ENGINED_") and k != "NOTIFY_SOCKET"})
-        log.close()
-        self.tracker.add(self.proc.pid)
-
-        def all_ready():
-            if self.proc.poll() is not None:
-                raise BenchError(f"engined exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if not os.path.exists(self.socket):
-                return False
-            engines = self.status()["engines"]
-            for e in engines:
-                self.tracker.add(e["pid"])
-            return len(engines) == self.replicas and all(e["state"] == "READY" for e in engines)
-        try:
-            wait_until(all_ready, timeout_s, f"{self.replicas} engines READY", 0.05)
-        except BenchError as exc:
-            raise BenchError(f"{exc}\n{self.log_tail()}") from None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def status(self) -> dict:
-        for attempt in range(2):
-            if self.conn is None:
-                self.conn = UnixHTTPConnection(self.socket)
-            try:
-                started = time.perf_counter()
-                self.conn.request("GET", "/v1/status")
-                response = self.conn.getresponse()
-                body = response.read()
-                self.status_times.append(time.perf_counter() - started)
-                if response.status != 200:
-                    raise BenchError(f"GET /v1/status: HTTP {response.status}: {body[:200]!r}")
-                return json.loads(body)
-            except (OSError, http.client.HTTPException):
-                self.conn.close()
-                self.conn = None
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
-
-    def engine(self, name: str = "echo-0") -> dict:
-        return next(e for e in self.status()["engines"] if e["name"] == name)
-
-    def wait_ready(self, min_incarnation: int, timeout_s: float = 30.0,
-                   interval_s: float = 0.005) -> dict:
-        def ready():
-            e = self.engine()
-            if e["state"] == "FAILED":
-                raise BenchError(f"echo-0 FAILED: {e.get('fail_reason')}\n{self.log_tail()}")
-            return e if e["state"] == "READY" and e["incarnation"] >= min_incarnation else None
-        e = wait_until(ready, timeout_s, f"echo-0 READY (incarnation >= {min_incarnation})",
-                       interval_s)
-        self.tracker.add(e["pid"])
-        return e
-
-    def stop(self, timeout_s: float = 30.0) -> str:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-        note = ""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                note = "engined did not stop in time: SIGKILLed"
-        return note
-
-    def remove_dir(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        super().__init__("eb", tracker,
+                         [{"name": "echo", "replicas": replicas, "model": "builtin:echo"}], http)
 
 
 # --- floor --------------------------------------------------------------------------------------
@@ -304,13 +121,7 @@ class Floor:
         return self.proc.pid
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 10)
         if self._thread is not None:
             self._thread.join(5)
 
@@ -508,37 +319,57 @@ def floor_kill_once(floor: Floor, events: ProcEvents | None) -> Kill:
 
 
 class ReadyListener:
-    """The floor's stand-in for engined's control channel: binds the endpoint the floor's echo
-    engine child connects to, so that child runs against a live peer and its READY is seen."""
+    """The floor's stand-in for engined's two engine channels, bound in its own short scratch
+    directory as the daemon binds them (`engined.engine.contract`'s endpoints): a PULL for the
+    control channel (Hello, Progress, Heartbeat, Goodbye) and a ROUTER for the request channel,
+    on which an echo engine child sends its READY. The floor's child thus runs against a live
+    peer, and the bench sees its READY arrive.
 
-    def __init__(self, scratch: Path) -> None:
+    The floor respawns the child with the same config, so every incarnation has the same routing
+    identity: ROUTER_HANDOVER lets the replacement's connection take it over from the dead one.
+    """
+
+    def __init__(self, cleanup: Cleanup) -> None:
         import zmq
-        self.endpoint = f"ipc://{scratch}/control.sock"
+
+        from engined.engine.contract import control_endpoint, request_endpoint
+        self.scratch = cleanup.scratch("ebf")
+        self.control_endpoint = control_endpoint(self.scratch)
+        self.request_endpoint = request_endpoint(self.scratch)
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PULL)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(self.endpoint)
+        self.control = self.ctx.socket(zmq.PULL)
+        self.requests = self.ctx.socket(zmq.ROUTER)
+        self.requests.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        for sock, endpoint in ((self.control, self.control_endpoint),
+                               (self.requests, self.request_endpoint)):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(endpoint)
         self.poller = zmq.Poller()
-        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.requests, zmq.POLLIN)
+        cleanup.closers.append(self.close)
 
     def drain(self) -> None:
-        while self.poller.poll(0):
-            self.sock.recv()
+        """Drop what has arrived on both channels so far."""
+        import zmq
+        for sock in (self.control, self.requests):
+            while sock.poll(0):
+                sock.recv_multipart(zmq.NOBLOCK)
 
     def wait_ready(self, timeout_s: float) -> float:
         """Block (no spinning) until a READY arrives; its arrival time (time.time())."""
-        from engine.protocol import Ready, decode_control
+        from engined.engine.protocol import Ready, decode_request
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if self.poller.poll(left * 1000):
-                frame = self.sock.recv()
+                frames = self.requests.recv_multipart()
                 now = time.time()
-                if isinstance(decode_control(frame), Ready):
+                if len(frames) == 2 and isinstance(decode_request(frames[1]), Ready):
                     return now
         raise BenchError("the floor's echo engine sent no READY")
 
     def close(self) -> None:
-        self.sock.close(0)
+        self.control.close(0)
+        self.requests.close(0)
         self.ctx.term()
 
 
@@ -551,17 +382,21 @@ def floor_kill_to_ready(floor: Floor, listener: ReadyListener) -> dict:
     return {"since_s": listener.wait_ready(30) - k.t_wall}
 
 
-def engine_child_env(scratch: Path, control_endpoint: str) -> dict[str, str]:
-    """Environment for running a real echo engine under the floor."""
-    from engine.protocol import ENV_CONFIG, ENV_PARENT_PID, EngineConfig, encode_config
+def engine_child_env(listener: ReadyListener) -> dict[str, str]:
+    """Environment for running a real echo engine (`python -m engined.engine`) outside engined,
+    against `listener`'s channels. Like engined's own children it gets the engine package, and
+    nothing else of ours, through `expose_engine_package`'s directory on PYTHONPATH."""
+    from engined.engine.contract import ENV_CONFIG
+    from engined.engine.protocol import EngineConfig, encode_config
+    from engined.supervisor.launcher import expose_engine_package
     config = EngineConfig(
         name="floor-0", group="floor", rank=0, replicas=1, incarnation=1, model="builtin:echo",
         dtype=None, gpus=[], data_parallel=False, max_batch_size=8, threads=1,
-        control_endpoint=control_endpoint,
-        request_endpoint=f"ipc://{scratch}/nobody-requests.sock", heartbeat_interval_s=1.0)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINED_")}
-    env.pop(ENV_PARENT_PID, None)
-    env.update({ENV_CONFIG: encode_config(config), "PYTHONPATH": str(ROOT),
+        control_endpoint=listener.control_endpoint, request_endpoint=listener.request_endpoint,
+        heartbeat_interval_s=1.0)
+    env = without_engined_vars()  # ENGINED_PARENT_PID included: the parent is not engined
+    env.update({ENV_CONFIG: encode_config(config),
+                "PYTHONPATH": expose_engine_package(listener.scratch / "python"),
                 "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     return env
 
@@ -595,18 +430,13 @@ def idle(daemon: Engined, floor: Floor, duration_s: float) -> dict:
     """Scenario 4: nobody talks to the daemon; sample its CPU times and RSS once a second."""
     time.sleep(2.0)  # let the last engine's READY and first heartbeats pass
     d, f = psutil.Process(daemon.pid), psutil.Process(floor.pid)
-
-    def cpu(p: psutil.Process) -> float:
-        t = p.cpu_times()
-        return t.user + t.system
-
     rss = [d.memory_info().rss]
-    c0, f0, w0 = cpu(d), cpu(f), time.monotonic()
+    c0, f0, w0 = cpu_s(d), cpu_s(f), time.monotonic()
     deadline = w0 + duration_s
     while (left := deadline - time.monotonic()) > 0:
         time.sleep(min(1.0, left))
         rss.append(d.memory_info().rss)
-    c1, f1, w1 = cpu(d), cpu(f), time.monotonic()
+    c1, f1, w1 = cpu_s(d), cpu_s(f), time.monotonic()
     children = d.children()
     return {"wall_s": w1 - w0, "cpu_s": c1 - c0, "cpu_pct": 100 * (c1 - c0) / (w1 - w0),
             "rss_peak": max(rss), "rss_first": rss[0], "rss_last": rss[-1], "samples": len(rss),
@@ -620,18 +450,9 @@ def verdict(key: str, value: float) -> str:
     return "PASS" if value < TARGETS[key][1] else "MISS"
 
 
-def machine_lines() -> list[str]:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor() or "?")
-    return [f"- machine: {os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu}, "
-            f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, Linux {platform.release()}",
-            f"- python: {platform.python_version()} ({sys.executable})",
-            f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"]
-
-
 def median_ms(values: list[float | None]) -> str:
-    vals = [v for v in values if v is not None]
-    return f"{statistics.median(vals) * 1e3:.2f} ms" if vals else "–"
+    m = med(values)
+    return "–" if m is None else f"{m * 1e3:.2f} ms"
 
 
 def breakdown_rows(name: str, kills: list[Kill]) -> str:
@@ -649,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.core",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="n=5 kills, 10 s idle")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "core.md"))
+    parser.add_argument("--out", default=None, help="default bench/results/core.md "
+                        "(--quick: bench/results/core-quick.md)")
     parser.add_argument("-n", type=int, default=None, help="kills per latency scenario")
     parser.add_argument("--idle", type=float, default=None, help="idle window in seconds")
     parser.add_argument("--no-proc-events", action="store_true",
@@ -657,14 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     n = args.n or (5 if args.quick else 30)
     idle_s = args.idle or (10.0 if args.quick else 60.0)
+    out = Path(args.out) if args.out else default_out("core", args.quick)
 
     r = Report()
     tracker = Tracker()
-    started: list = []
-    scratch_dirs: list[Path] = []
-    closers: list = []
+    cleanup = Cleanup(tracker)
     res: dict = {}
     events = None if args.no_proc_events else ProcEvents.open()
+    if events is not None:
+        cleanup.closers.append(events.close)
     r(f"# engined core benchmark{' (--quick)' if args.quick else ''}", "", *machine_lines(),
       f"- kills per latency scenario: n={n}; idle window: {idle_s:g} s",
       "- observer: " + ("kernel proc events (netlink proc connector), passive" if events else
@@ -673,28 +496,24 @@ def main(argv: list[str] | None = None) -> int:
     load_start, cpu_start = os.getloadavg(), psutil.cpu_times()
     try:
         spin_s = poll_cost_s()
-        scratch = Path(tempfile.mkdtemp(prefix="ebf", dir="/tmp"))
-        scratch_dirs.append(scratch)
 
         # Scenarios 1-2: the three supervisors run side by side and are killed in turn, so slow
         # phases of the machine hit them alike.
-        listener = ReadyListener(scratch)
-        closers.append(listener.close)
+        listener = ReadyListener(cleanup)
         floor = Floor(1, tracker)
-        floor_engine = Floor(1, tracker, [sys.executable, "-m", "engine"],
-                             engine_child_env(scratch, listener.endpoint))
+        floor_engine = Floor(1, tracker, [sys.executable, "-m", "engined.engine"],
+                             engine_child_env(listener))
         daemon = Engined(1, tracker)
         for thing in (floor, floor_engine, daemon):
-            started.append(thing)
-            thing.start()
+            cleanup.start(thing)
         fs, fe, en = [], [], []
         for _ in range(n):
-            for target, out in ((floor, fs), (floor_engine, fe), (daemon, en)):
+            for target, samples in ((floor, fs), (floor_engine, fe), (daemon, en)):
                 time.sleep(SETTLE_S)
-                out.append(engined_kill_once(daemon, tracker, events) if target is daemon
-                           else floor_kill_once(target, events))
+                samples.append(engined_kill_once(daemon, tracker, events) if target is daemon
+                               else floor_kill_once(target, events))
         res.update(floor=fs, floor_engine=fe, engined=en)
-        floor.stop()
+        cleanup.stop(floor)
 
         # Scenario 3: quiet kills (engined and the floor's echo engine in turn), then kills
         # watched by a 1 ms status poller.
@@ -704,57 +523,41 @@ def main(argv: list[str] | None = None) -> int:
             quiet.append(engined_kill_to_ready(daemon, tracker, None))
             time.sleep(SETTLE_S)
             floor_ready.append(floor_kill_to_ready(floor_engine, listener))
-        floor_engine.stop()
+        cleanup.stop(floor_engine)
         daemon.status_times.clear()
         for _ in range(n):
             time.sleep(SETTLE_S)
             polled.append(engined_kill_to_ready(daemon, tracker, 0.001))
         status_1 = statistics.median(daemon.status_times)
         res.update(ready_quiet=quiet, ready_polled=polled, ready_floor=floor_ready)
-        note = daemon.stop()
-        if note:
-            r(f"> {note}")
+        cleanup.stop(daemon)
+        if daemon.stop_note:
+            r(f"> {daemon.stop_note}")
         daemon.remove_dir()
 
         # Scenario 4.
         big = Engined(20, tracker)
-        started.append(big)
         floor20 = Floor(20, tracker)
-        started.append(floor20)
         t0 = time.monotonic()
-        big.start()
+        cleanup.start(big)
         fleet_start_s = time.monotonic() - t0
-        floor20.start()
+        cleanup.start(floor20)
         res["idle"] = idle(big, floor20, idle_s)
         big.status_times.clear()
         for _ in range(20):
             big.status()
         status_20 = statistics.median(big.status_times)
-        floor20.stop()
-        note = big.stop()
-        if note:
-            r(f"> {note}")
+        cleanup.stop(floor20)
+        cleanup.stop(big)
+        if big.stop_note:
+            r(f"> {big.stop_note}")
         big.remove_dir()
         leftovers = tracker.kill_leftovers()
     finally:
-        for thing in reversed(started):
-            try:
-                thing.stop()
-            except Exception as exc:  # noqa: BLE001 - cleanup must go on
-                print(f"cleanup: {exc}", file=sys.stderr)
-        tracker.kill_leftovers()
-        for path in scratch_dirs:
-            shutil.rmtree(path, ignore_errors=True)
-        if events is not None:
-            overruns = events.overruns
-            events.close()
-        for close in closers:
-            close()
+        cleanup.close()
+    overruns = events.overruns if events is not None else 0
 
-    cpu_end = psutil.cpu_times()
-    busy = (sum(cpu_end) - cpu_end.idle - cpu_end.iowait) - (
-        sum(cpu_start) - cpu_start.idle - cpu_start.iowait)
-    busy_pct = 100 * busy / max(1e-9, sum(cpu_end) - sum(cpu_start))
+    busy_pct = cpu_busy_pct(cpu_start)
     r(f"- machine load during the run: load average {load_start[0]:.2f} at start, "
       f"{os.getloadavg()[0]:.2f} at end; all CPUs {busy_pct:.0f} % busy on average (everything "
       "on the machine, this benchmark included). Other work on a shared machine inflates the "
@@ -762,19 +565,18 @@ def main(argv: list[str] | None = None) -> int:
     fl, fe, en = res["floor"], res["floor_engine"], res["engined"]
     quiet, polled, idl = res["ready_quiet"], res["ready_polled"], res["idle"]
     floor_ready = res["ready_floor"]
-    med = statistics.median
     respawn_how = ("the kernel's fork event of the replacement (parent = the supervisor)"
                    if events else "the first time the polling observer saw the new pid")
     r("## 1. Detection latency (SIGKILL → exit recorded by the supervisor)", "",
-      "| supervisor | median | min–max | n |", "| --- | --- | --- | --- |",
+      *table("supervisor", "median", "min–max", "n"),
       stats_row("engined, echo engine (`last_exit.at`)", [k.detect_s for k in en]),
       stats_row("floor, echo engine child (`exit` line)", [k.detect_s for k in fe]),
       stats_row("floor, sleeping child (`exit` line)", [k.detect_s for k in fl]), "",
-      "The floor running the very same `python -m engine` child shows what the kernel's "
+      "The floor running the very same `python -m engined.engine` child shows what the kernel's "
       "teardown of the killed process (threads, sockets, memory) costs before any supervisor "
       "can see the exit.", "")
     r("## 2. Respawn latency (SIGKILL → replacement process exists)", "",
-      "| supervisor | median | min–max | n |", "| --- | --- | --- | --- |",
+      *table("supervisor", "median", "min–max", "n"),
       stats_row("engined, echo engine", [k.respawn_s for k in en]),
       stats_row("floor, echo engine child", [k.respawn_s for k in fe]),
       stats_row("floor, sleeping child", [k.respawn_s for k in fl]), "",
@@ -791,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
           breakdown_rows("floor, echo engine child", fe),
           breakdown_rows("floor, sleeping child", fl), "")
     r("## 3. Kill → READY (echo engine)", "",
-      "| measure | median | min–max | n |", "| --- | --- | --- | --- |",
+      *table("measure", "median", "min–max", "n"),
       stats_row("engined, quiet observer: SIGKILL → READY (daemon's `since`)",
                 [x["since_s"] for x in quiet]),
       stats_row("  of which spawn → READY (`startup_s`)", [x["startup_s"] for x in quiet]),
@@ -805,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
       f"(1 engine), {status_20 * 1e3:.2f} ms with 20 engines (after scenario 4).", "")
     r(f"## 4. Idle overhead ({idl['engines']} echo engines, 1 s heartbeats, "
       f"{idl['wall_s']:.0f} s idle)", "",
-      "| measure | engined daemon | floor (20 sleeping children) |", "| --- | --- | --- |",
+      *table("measure", "engined daemon", "floor (20 sleeping children)"),
       f"| CPU (user+sys) | {idl['cpu_pct']:.3f} % of one core ({idl['cpu_s']:.3f} s) | "
       f"{idl['floor_cpu_pct']:.3f} % |",
       f"| RSS peak ({idl['samples']} samples, 1/s) | {idl['rss_peak'] / 1e6:.1f} MB "
@@ -826,21 +628,21 @@ def main(argv: list[str] | None = None) -> int:
                     "rss": f"{idl['floor_rss'] / 1e6:.1f} MB"}
     r("## Summary", "", "Floor column: the floor supervising the same echo engine child "
       "(latencies) or 20 sleeping children (idle).", "",
-      "| metric | target | engined | floor | result |", "| --- | --- | --- | --- | --- |")
+      *table("metric", "target", "engined", "floor", "result"))
     for key, (label, limit, unit) in TARGETS.items():
         shown = f"{values[key]:.3f} %" if key == "cpu" else (
             f"{values[key]:.1f} MB" if key == "rss" else f"{values[key]:.2f} ms")
         r(f"| {label} | < {limit:g} {unit} | {shown} | {floor_values[key]} | "
           f"{verdict(key, values[key])} |")
     r("", "## Method", "",
-      "- engined runs as `python -m supervisor.daemon -c SPEC` (log level INFO, stderr to a "
-      "file) with `http: off`, a runtime dir `/tmp/ebXXXXXXXX`, `builtin:echo` engines, 1 s "
-      "heartbeats, and `backoff: {initial: 0s, max: 0s, reset_after: 0s}`, "
+      "- engined runs as `python -m engined.supervisor.daemon -c SPEC` (log level INFO, stderr "
+      "to a file) with `http: off`, a runtime dir `/tmp/ebXXXXXXXX/rt`, `builtin:echo` engines, "
+      "1 s heartbeats, and `backoff: {initial: 0s, max: 0s, reset_after: 0s}`, "
       "`start_limit.burst: 1000000`, so every restart is immediate (no backoff, never FAILED).",
       "- The floor is `bench/floor.py` (~40 lines: asyncio, pidfd, posix_spawn; respawns at "
       "once), run as its own process, once with a sleeping Python child and once with a real "
-      "`python -m engine` echo child whose control endpoint the bench binds (a ZeroMQ PULL "
-      "socket that also receives its READY).",
+      "`python -m engined.engine` echo child whose engine channels the bench binds as engined "
+      "does (a ZeroMQ PULL for its control messages, a ROUTER on which its READY arrives).",
       f"- Each kill: wait until READY (floor: respawned) plus {SETTLE_S * 1e3:.0f} ms; take "
       "`t_kill` (time.time() and CLOCK_MONOTONIC) just before `os.kill(pid, SIGKILL)`. In "
       "scenarios 1-2 engined and both floors run side by side and are killed in turn.",
@@ -866,10 +668,7 @@ def main(argv: list[str] | None = None) -> int:
       f"processes after the clean shutdowns: {leftovers or 'none'}"
       + (f"; proc-event overruns: {overruns}." if events else "."))
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(r.text())
-    print(f"\n(written to {out})")
+    r.write(out)
     return 0
 
 

@@ -1,6 +1,7 @@
 """Tiny-llama benchmark: crash → READY against a cold start, and the daemon's serving overhead.
 
-    python -m bench.llm [--quick] [--out bench/results/llm.md]
+    python -m bench.llm [--quick] [--out FILE]   # default bench/results/llm.md,
+                                                  # --quick: bench/results/llm-quick.md
 
 1. Crash → READY of one tiny-llama replica (SIGKILL; backoff 0 so every restart is immediate)
    against the cold-start floor: a fresh `python -c` that imports torch and transformers, loads
@@ -20,7 +21,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -31,37 +31,25 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from bench.core import (BenchError, Report, Tracker, UnixHTTPConnection, machine_lines,
-                        wait_until)
+from bench.common import (
+    ROOT,
+    BenchDaemon,
+    BenchError,
+    Cleanup,
+    Report,
+    Tracker,
+    default_out,
+    machine_lines,
+    table,
+    terminate,
+    without_engined_vars,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 64
 BATCH_SIZES = (1, 8)
 PROMPTS = [f"benchmark prompt {i}: the quick brown fox" for i in range(8)]  # equal lengths
 OVERHEAD_TARGET_PCT = 5.0  # the issue's target at batch 8
 WARMUP_ROUNDS = 2
-
-SPEC = """\
-version: 1
-supervisor:
-  http: off
-  runtime_dir: {runtime_dir}
-  heartbeat_interval: 1s
-  heartbeat_timeout: 10s
-defaults:
-  restart: always
-  # every restart immediate: no backoff delay, and the failure streak resets at once
-  backoff: {{initial: 0s, max: 0s, factor: 1.0, jitter: 0, reset_after: 0s}}
-  start_limit: {{burst: 1000000, interval: 1s}}
-  stop_timeout: 10s
-engines:
-  - name: tiny
-    replicas: 1
-    model: builtin:tiny-llama
-    max_batch_size: 8
-    threads: 1
-    env: {{ENGINED_CACHE_DIR: "{cache}"}}
-"""
 
 # The cold-start floor: what a fresh interpreter pays to serve its first token, nothing else.
 COLD_START = """\
@@ -73,7 +61,8 @@ transformers.logging.set_verbosity_error()
 from transformers import AutoModelForCausalLM, AutoTokenizer
 path = sys.argv[1]
 tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                             local_files_only=True).eval()
 loaded = time.time()
 enc = tok(["warm-up"], return_tensors="pt")
 with torch.inference_mode():
@@ -86,20 +75,19 @@ _READY_LOG_RE = re.compile(r"^\[ready\] tiny-0 incarnation (\d+) loaded in ([0-9
 
 # --- environment ----------------------------------------------------------------------------------
 def child_env(cache: Path, **extra: str) -> dict[str, str]:
-    """Like an engine child's: one thread, offline, no GPU, our sources on the path."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINED_")
-           and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    """Like an engine child's: one thread, offline, no GPU. No PYTHONPATH: the installed
+    package is what runs (and `python -m bench.llm` finds bench/ from the repository root)."""
+    env = without_engined_vars(None, "WATCHDOG_USEC", "WATCHDOG_PID", "PYTHONPATH")
     env.update({"ENGINED_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
-                "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)})
+                "PYTHONUNBUFFERED": "1"})
     env.update(extra)
     return env
 
 
 def build_checkpoint(cache: Path) -> Path:
     """Build the tiny model into `cache` (untimed), exactly as an engine would on first use."""
-    done = subprocess.run([sys.executable, "-c", "from engine.llm import tiny_llama_dir; "
+    done = subprocess.run([sys.executable, "-c", "from engined.engine.llm import tiny_llama_dir; "
                            "print(tiny_llama_dir(lambda phase, detail: None))"],
                           cwd=ROOT, env=child_env(cache), capture_output=True, text=True,
                           timeout=600)
@@ -109,68 +97,25 @@ def build_checkpoint(cache: Path) -> Path:
 
 
 # --- the daemon -----------------------------------------------------------------------------------
-class Daemon:
-    """One engined with one tiny-llama replica, in a short runtime dir (ZeroMQ ipc paths)."""
+class Daemon(BenchDaemon):
+    """engined with one tiny-llama replica (`tiny-0`) in /tmp/elXXXXXXXX (tests/driver.py's
+    Daemon through bench.common.BenchDaemon: immediate restarts, 1 s heartbeats)."""
+
+    log_lines = 30
+    log_engines = ("tiny-0",)
 
     def __init__(self, cache: Path, tracker: Tracker) -> None:
-        self.tracker = tracker
-        self.dir = Path(tempfile.mkdtemp(prefix="el", dir="/tmp"))
-        self.spec_path = self.dir / "fleet.yaml"
-        self.spec_path.write_text(SPEC.format(runtime_dir=self.dir, cache=cache))
-        self.socket = str(self.dir / "control.sock")
-        self.log_path = self.dir / "daemon.log"
-        self.engine_log = self.dir / "logs" / "tiny-0.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__("el", tracker, [{
+            "name": "tiny", "replicas": 1, "model": "builtin:tiny-llama", "max_batch_size": 8,
+            "threads": 1, "env": {"ENGINED_CACHE_DIR": str(cache)}}], status_timeout_s=10.0)
+        self.engine_log = self.log_path("tiny-0")
 
-    def start(self, timeout_s: float = 300.0) -> dict[str, Any]:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "supervisor.daemon", "-c", str(self.spec_path)],
-                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                env={k: v for k, v in os.environ.items()
-                     if not k.startswith("ENGINED_") and k != "NOTIFY_SOCKET"})
-        self.tracker.add(self.proc.pid)
-        return self.wait_ready(1, timeout_s)
-
-    def log_tail(self, lines: int = 30) -> str:
-        text = ""
-        for path in (self.log_path, self.engine_log):
-            try:
-                text += "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) + "\n"
-            except OSError:
-                pass
-        return text
-
-    def engine(self) -> dict[str, Any]:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise BenchError(f"engined exited with {self.proc.returncode}:\n{self.log_tail()}")
-        conn = UnixHTTPConnection(self.socket, timeout=10.0)
-        try:
-            conn.request("GET", "/v1/status")
-            resp = conn.getresponse()
-            body = resp.read()
-        finally:
-            conn.close()
-        if resp.status != 200:
-            raise BenchError(f"GET /v1/status: HTTP {resp.status}: {body[:200]!r}")
-        engine = json.loads(body)["engines"][0]
-        self.tracker.add(engine["pid"])
-        return engine
+    def start(self, timeout_s: float = 300.0, interval_s: float = 0.02) -> None:
+        super().start(timeout_s, interval_s)
 
     def wait_ready(self, min_incarnation: int, timeout_s: float = 120.0,
-                   interval_s: float = 0.02) -> dict[str, Any]:
-        def ready() -> dict[str, Any] | None:
-            if not os.path.exists(self.socket):
-                return None
-            e = self.engine()
-            if e["state"] == "FAILED":
-                raise BenchError(f"tiny-0 FAILED: {e.get('fail_reason')}\n{self.log_tail()}")
-            return e if e["state"] == "READY" and e["incarnation"] >= min_incarnation else None
-        try:
-            return wait_until(ready, timeout_s, f"tiny-0 READY (incarnation >= {min_incarnation})",
-                              interval_s)
-        except BenchError as exc:
-            raise BenchError(f"{exc}\n{self.log_tail()}") from None
+                   interval_s: float = 0.02, name: str | None = None) -> dict[str, Any]:
+        return super().wait_ready(min_incarnation, timeout_s, interval_s, name)
 
     def child_load_s(self, incarnation: int) -> float | None:
         """The child's own import → warm-up time, from its `[ready]` log line."""
@@ -178,18 +123,6 @@ class Daemon:
             if int(inc) == incarnation:
                 return float(load_s)
         return None
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def remove_dir(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # --- 1. crash → READY and the cold-start floor ----------------------------------------------------
@@ -249,18 +182,14 @@ class DirectWorker:
     def stop(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self.proc.stdin.close()  # its stop signal: EOF on stdin
+            terminate(self.proc, 10, sig=None)
 
 
 def direct_worker_main() -> int:
     """The worker's side: build the model exactly as the engine does, then time generate calls."""
-    from engine.llm import build_hf_model
-    from engine.protocol import EngineConfig, GenerateRequest
+    from engined.engine.llm import build_hf_model
+    from engined.engine.protocol import EngineConfig, GenerateRequest
 
     config = EngineConfig(name="direct", group="direct", rank=0, replicas=1, incarnation=1,
                           model="builtin:tiny-llama", dtype=None, gpus=[], data_parallel=False,
@@ -332,7 +261,7 @@ def report_crash(r: Report, crashes: list[dict], colds: list[dict]) -> None:
         med, span = fmt_s(values)
         return f"| {label} | {med} | {span} | {len(values)} |"
     r("## 1. Crash → READY vs the cold-start floor (one tiny-llama replica, CPU, 1 thread)", "",
-      "| measure | median | min–max | n |", "| --- | --- | --- | --- |",
+      *table("measure", "median", "min–max", "n"),
       row("engined: SIGKILL → READY (daemon's `since`)", [c["ready_s"] for c in crashes]),
       row("engined: SIGKILL → READY seen by a 20 ms status poll", [c["seen_s"] for c in crashes]),
       row("… of which spawn → READY (`startup_s`)", [c["startup_s"] for c in crashes]),
@@ -370,7 +299,8 @@ def report_throughput(r: Report, res: dict[int, dict], rounds: int) -> dict[int,
                                       ("direct `HFModel.generate`", w, f"[{batch}] (given)")):
             rates = [tps(s) for s in samples]
             r(f"| {batch} | {label} | {statistics.median(rates):.0f} | {min(rates):.0f}–"
-              f"{max(rates):.0f} | {statistics.median(s['elapsed_s'] for s in samples) * 1e3:.1f} ms"
+              f"{max(rates):.0f} | "
+              f"{statistics.median(s['elapsed_s'] for s in samples) * 1e3:.1f} ms"
               f" | {extra} | {len(samples)} |")
         overheads[batch] = 100 * (statistics.median(s["elapsed_s"] for s in d)
                                   / statistics.median(s["elapsed_s"] for s in w) - 1)
@@ -399,7 +329,8 @@ def report_throughput(r: Report, res: dict[int, dict], rounds: int) -> dict[int,
       f"aiohttp session on the control socket, timed from the first send to the last answer; "
       f"the direct round is one `HFModel.generate` call on the same prompts in a worker process "
       f"with the same thread bound. On a shared box, load from other processes only ever adds "
-      f"time, so the fastest rounds (min vs min) are the less noisy comparison. \"Outside the engine's compute\" is the round time minus the "
+      f"time, so the fastest rounds (min vs min) are the less noisy comparison. \"Outside the "
+      f"engine's compute\" is the round time minus the "
       f"engine-reported `compute_s` of the batches it formed (one `compute_s` per batch); when "
       f"a burst is split (e.g. [7+1]: the first request starts a batch on its own before the "
       f"rest has arrived), the engine runs two generate calls where the direct path runs one.",
@@ -410,7 +341,8 @@ def report_throughput(r: Report, res: dict[int, dict], rounds: int) -> dict[int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.llm", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="n=3 crashes/cold starts, 3 rounds")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "llm.md"))
+    parser.add_argument("--out", default=None, help="default bench/results/llm.md "
+                        "(--quick: bench/results/llm-quick.md)")
     parser.add_argument("-n", type=int, default=None, help="crashes and cold starts (default 10)")
     parser.add_argument("--rounds", type=int, default=None, help="throughput rounds (default 30)")
     parser.add_argument("--cache-dir", default=None,
@@ -422,11 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     n = args.n or (3 if args.quick else 10)
     rounds = args.rounds or (3 if args.quick else 30)
 
+    out = Path(args.out) if args.out else default_out("llm", args.quick)
+
     r, tracker = Report(), Tracker()
-    own_cache = args.cache_dir is None
+    cleanup = Cleanup(tracker)
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="engined-bench-cache-"))
-    daemon: Daemon | None = None
-    worker: DirectWorker | None = None
+    if args.cache_dir is None:
+        cleanup.dirs.append(cache)
     try:
         load_before = os.getloadavg()
         r(f"# engined tiny-llama benchmark{' (--quick)' if args.quick else ''}", "",
@@ -436,8 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         r(f"- torch {version('torch')}, transformers {version('transformers')}; model: "
           f"builtin:tiny-llama ({checkpoint.name}), float32, CPU", "")
 
-        daemon = Daemon(cache, tracker)
-        daemon.start()
+        daemon = cleanup.start(Daemon(cache, tracker))
         crashes, colds = [], []
         for _ in range(n):
             crashes.append(crash_to_ready(daemon))
@@ -445,27 +378,16 @@ def main(argv: list[str] | None = None) -> int:
         daemon.wait_ready(1)
 
         worker = DirectWorker(cache, tracker)
+        cleanup.started.append(worker)  # started by its constructor
         res = asyncio.run(throughput(daemon, worker, rounds))
     finally:
-        if worker is not None:
-            worker.stop()
-        if daemon is not None:
-            daemon.stop()
-            daemon.remove_dir()
-        leftovers = tracker.kill_leftovers()
-        if own_cache:
-            shutil.rmtree(cache, ignore_errors=True)
+        leftovers = cleanup.close()
 
     report_crash(r, crashes, colds)
     report_throughput(r, res, rounds)
     r(f"- load average at end: {os.getloadavg()[0]:.2f} (1 min); processes left over and killed "
       f"by pid: {leftovers or 'none'}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(r.text())
-    tmp.replace(out)
-    print(f"\nwritten to {out}", file=sys.stderr)
+    r.write(out)
     return 0  # a report, not a gate: the verdict is in the table
 
 

@@ -1,7 +1,9 @@
 """The peer supervisors of `bench.compare`: supervisord and circus, each in its own virtualenv.
 
 Neither is ever installed into engined's own environment: supervisord's distribution imports as
-`supervisor`, which would shadow engined's `supervisor` package. Each peer gets a venv under
+`supervisor`, the name of engined's source folder (engined installs as `engined.supervisor`, but
+run from the repository root the folder would shadow supervisord), and a peer's dependencies
+have no business in the environment under test. Each peer gets a venv under
 `$ENGINED_BENCH_VENVS`, else `$XDG_CACHE_HOME/engined-bench/venvs` (default `~/.cache/...`),
 created once with `python -m venv` + `pip install NAME==VERSION` and reused afterwards; the peers
 run from those venvs' own binaries with `PYTHONPATH` removed from their environment and a
@@ -23,7 +25,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,15 @@ import time
 import xmlrpc.client
 from pathlib import Path
 
-from bench.core import BenchError, Tracker, UnixHTTPConnection, read_children, wait_until
+from bench.common import (
+    BenchError,
+    Tracker,
+    read_children,
+    terminate,
+    wait_until,
+    without_engined_vars,
+)
+from engined.supervisor.client import UnixHTTPConnection
 
 # Pinned, so a result names exactly what it measured.
 PEERS = {"supervisord": ("supervisor", "4.3.0"), "circus": ("circus", "0.19.0")}
@@ -50,10 +59,8 @@ def venv_root() -> Path:
 
 def peer_env(**extra: str) -> dict[str, str]:
     """The environment a peer runs in: nothing that points into engined's tree or venv."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "NOTIFY_SOCKET",
-                        "WATCHDOG_USEC", "WATCHDOG_PID", "PYTHONSTARTUP")
-           and not k.startswith("ENGINED_")}
+    env = without_engined_vars(None, "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "WATCHDOG_USEC",
+                               "WATCHDOG_PID", "PYTHONSTARTUP")
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PYTHONDONTWRITEBYTECODE="1", **extra)
     return env
 
@@ -141,15 +148,9 @@ class _Peer:
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM (both stop their children on it), wait, then SIGKILL the daemon by pid."""
         if self.proc is not None and self.proc.poll() is None:
-            kids = self.children()
-            for pid in kids:
+            for pid in self.children():
                 self.tracker.add(pid)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            terminate(self.proc, timeout_s)
 
     def remove_dir(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -229,7 +230,7 @@ main()
 ECHO_WRAPPER = """\
 import json, os, sys
 os.environ.update(json.load(open(sys.argv[1])))
-os.execv(sys.executable, [sys.executable, "-m", "engine"])
+os.execv(sys.executable, [sys.executable, "-m", "engined.engine"])
 """
 
 _EXITED_RE = re.compile(r"^(\d+\.\d+) \w+ exited: (\S+) \((.*)\)$", re.M)
@@ -241,7 +242,7 @@ class _UnixTransport(xmlrpc.client.Transport):
         self.path = path
 
     def make_connection(self, host):  # type: ignore[override]
-        return UnixHTTPConnection(self.path, timeout=10.0)
+        return UnixHTTPConnection(self.path, timeout_s=10.0)
 
 
 class Supervisord(_Peer):

@@ -1,0 +1,380 @@
+"""What the benchmarks share: errors and waits, process tracking and cleanup by pid, the engined
+daemon (tests/driver.py's `Daemon` with what a benchmark adds), report and table helpers.
+
+The daemon driver is the tests' own (tests/driver.py, imported as `tests.driver`: the benchmarks
+run from the repository root, `python -m bench.NAME`); HTTP over the control socket is
+`engined.supervisor.client`. Nothing here kills by name: every process is tracked by pid (psutil
+handles, which guard against pid reuse) and stopped by pid.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+
+from engined.supervisor.client import UnixHTTPConnection
+from tests.driver import Daemon, build_spec, is_engine_of
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+T = TypeVar("T")
+
+
+# --- errors and waits ---------------------------------------------------------------------------
+class BenchError(Exception):
+    pass
+
+
+def wait_until(predicate: Callable[[], T], timeout_s: float, what: str,
+               interval_s: float = 0.005) -> T:
+    """Poll `predicate` until truthy (returned) or the deadline (BenchError)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise BenchError(f"timed out after {timeout_s:g}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+# --- processes ----------------------------------------------------------------------------------
+def without_engined_vars(env: Mapping[str, str] | None = None, *drop: str) -> dict[str, str]:
+    """`env` (default os.environ) minus every ENGINED_* variable, NOTIFY_SOCKET and `drop`."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items()
+            if not k.startswith("ENGINED_") and k != "NOTIFY_SOCKET" and k not in drop}
+
+
+def read_children(pid: int) -> set[int]:
+    """Children of `pid` spawned by its main thread, from /proc/PID/task/PID/children.
+
+    One open+read (a few microseconds); the kernel keeps this list, so a new child shows up the
+    moment clone() returns in the parent. Both supervisors spawn from their main (event-loop)
+    thread. psutil's children() scans all of /proc instead, so it is only the fallback.
+    """
+    try:
+        fd = os.open(f"/proc/{pid}/task/{pid}/children", os.O_RDONLY)
+    except FileNotFoundError:
+        return {p.pid for p in psutil.Process(pid).children()}
+    try:
+        return {int(x) for x in os.read(fd, 65536).split()}
+    finally:
+        os.close(fd)
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    """User + system CPU seconds of a process (all its threads)."""
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def terminate(proc: subprocess.Popen | None, timeout_s: float,
+              sig: int | None = signal.SIGTERM) -> bool:
+    """Send `sig` (None: the caller already asked it to stop), wait up to `timeout_s`, SIGKILL
+    if it is still there. True if it had to be killed."""
+    if proc is None or proc.poll() is not None:
+        return False
+    if sig is not None:
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout_s)
+        return False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return True
+
+
+class Tracker:
+    """Every process we started (psutil handles guard against pid reuse); killed by pid at exit."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, psutil.Process] = {}
+
+    def add(self, pid: int | None) -> None:
+        if pid and pid not in self.procs:
+            try:
+                self.procs[pid] = psutil.Process(pid)
+            except psutil.Error:
+                pass
+
+    def kill_leftovers(self) -> list[int]:
+        killed = []
+        for pid, proc in self.procs.items():
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    proc.kill()
+                    killed.append(pid)
+            except psutil.Error:
+                pass
+        return killed
+
+
+class Cleanup:
+    """What a benchmark run started, undone in one place (also when it fails half-way).
+
+    `close()`: stop every started thing, newest first (and remove its directory, if it has
+    one), SIGKILL by pid whatever the tracker saw that is still alive, run the closers, remove
+    the scratch directories.
+    """
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+        self.started: list[Any] = []
+        self.closers: list[Callable[[], None]] = []
+        self.dirs: list[Path] = []
+
+    def start(self, thing: T, *args: Any, **kwargs: Any) -> T:
+        self.started.append(thing)
+        thing.start(*args, **kwargs)  # type: ignore[attr-defined]
+        return thing
+
+    def stop(self, thing: Any, *args: Any, **kwargs: Any) -> Any:
+        """Stop one started thing now (its directory stays until close() unless removed)."""
+        result = thing.stop(*args, **kwargs)
+        self.started.remove(thing)
+        return result
+
+    def scratch(self, prefix: str) -> Path:
+        """A short scratch directory under /tmp (ZeroMQ ipc:// paths must stay short)."""
+        path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+        self.dirs.append(path)
+        return path
+
+    def close(self) -> list[int]:
+        """Returns the pids the tracker had to SIGKILL (after the things' own stops)."""
+        for thing in reversed(self.started):
+            try:
+                thing.stop()
+                if hasattr(thing, "remove_dir"):
+                    thing.remove_dir()
+            except Exception as exc:  # noqa: BLE001 - cleanup must go on
+                print(f"cleanup: {exc}", file=sys.stderr)
+        self.started.clear()
+        killed = self.tracker.kill_leftovers()
+        for close in self.closers:
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001
+                print(f"cleanup: {exc}", file=sys.stderr)
+        for path in self.dirs:
+            shutil.rmtree(path, ignore_errors=True)
+        return killed
+
+
+# --- engined ------------------------------------------------------------------------------------
+# Every restart immediate: no backoff delay, the failure streak resets at once, never FAILED.
+IMMEDIATE_RESTARTS = {
+    "restart": "always",
+    "backoff": {"initial": "0s", "max": "0s", "factor": 1.0, "jitter": 0, "reset_after": "0s"},
+    "start_limit": {"burst": 1000000, "interval": "1s"},
+    "stop_timeout": "10s",
+}
+HEARTBEATS = {"heartbeat_interval": "1s", "heartbeat_timeout": "10s"}
+
+
+class StatusConnection:
+    """GET /v1/status on one keep-alive connection to the control socket, each round trip timed
+    (`times`); reconnects once if the connection went away."""
+
+    def __init__(self, socket_path: str, timeout_s: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self.conn: UnixHTTPConnection | None = None
+        self.times: list[float] = []
+
+    def get(self) -> dict:
+        for attempt in range(2):
+            if self.conn is None:
+                self.conn = UnixHTTPConnection(self.socket_path, self.timeout_s)
+            try:
+                started = time.perf_counter()
+                self.conn.request("GET", "/v1/status")
+                response = self.conn.getresponse()
+                body = response.read()
+                self.times.append(time.perf_counter() - started)
+                if response.status != 200:
+                    raise BenchError(f"GET /v1/status: HTTP {response.status}: {body[:200]!r}")
+                return json.loads(body)
+            except (OSError, http.client.HTTPException):
+                self.close()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+class BenchDaemon(Daemon):
+    """tests/driver.py's Daemon in a short directory under /tmp (`/tmp/<prefix>XXXXXXXX`, runtime
+    dir `rt/` in it: ZeroMQ ipc paths must stay short), with what a benchmark adds: every restart
+    immediate, 1 s heartbeats, no ENGINED_* variable from our environment, GET /v1/status on a
+    keep-alive connection (`status_times`), pids tracked by the Tracker, BenchError with the
+    daemon's log tail instead of AssertionError. `watched` is the engine the single-engine
+    helpers (`engine()`, `wait_ready()`) look at by default: replica 0 of the first engine."""
+
+    log_lines = 20  # lines of each log in an error message
+    log_engines: tuple[str, ...] = ()  # engines whose own log tails go into error messages
+
+    def __init__(self, prefix: str, tracker: Tracker, engines: list[dict[str, Any]],
+                 http: str = "off", status_timeout_s: float = 5.0) -> None:
+        root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+        spec = build_spec(root, engines, {"http": http, **HEARTBEATS}, IMMEDIATE_RESTARTS)
+        super().__init__(root, spec, env={k: None for k in os.environ
+                                          if k.startswith("ENGINED_") or k == "NOTIFY_SOCKET"})
+        self.dir = root
+        self.tracker = tracker
+        self.replicas = sum(e.get("replicas", 1) for e in engines)
+        self.watched = f"{engines[0]['name']}-0"
+        self.status_conn = StatusConnection(self.socket, status_timeout_s)
+        self.stop_note = ""
+
+    @property
+    def status_times(self) -> list[float]:
+        return self.status_conn.times
+
+    def start(self, timeout_s: float = 120.0, interval_s: float = 0.05) -> None:
+        """Run it; wait until all its engines are READY (BenchError with the log tail if not)."""
+        def all_ready() -> bool:
+            self.check_alive()
+            engines = self.status()["engines"]
+            for e in engines:
+                self.tracker.add(e["pid"])
+            return len(engines) == self.replicas and all(e["state"] == "READY" for e in engines)
+        try:
+            try:
+                super().start(timeout_s)
+            finally:
+                if self.proc is not None:
+                    self.tracker.add(self.proc.pid)
+            wait_until(all_ready, timeout_s, f"{self.replicas} engines READY", interval_s)
+        except (AssertionError, BenchError) as exc:
+            raise BenchError(f"{exc}\n{self.log_tail()}") from None
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise BenchError(f"engined exited with {self.proc.returncode}")
+
+    def log_tail(self) -> str:
+        """The last lines of the daemon's stderr log (and of the `log_engines` logs)."""
+        texts = [self.stderr_text()] + [self.log_text(name) for name in self.log_engines]
+        return "\n".join("\n".join(t.splitlines()[-self.log_lines:]) for t in texts)
+
+    def status(self) -> dict:
+        return self.status_conn.get()
+
+    def engine(self, name: str | None = None) -> dict:
+        name = name or self.watched
+        return next(e for e in self.status()["engines"] if e["name"] == name)
+
+    def wait_ready(self, min_incarnation: int, timeout_s: float = 30.0,
+                   interval_s: float = 0.005, name: str | None = None) -> dict:
+        """`name` READY with incarnation >= min_incarnation (BenchError if FAILED or late)."""
+        name = name or self.watched
+
+        def ready() -> dict | None:
+            self.check_alive()
+            e = self.engine(name)
+            if e["state"] == "FAILED":
+                raise BenchError(f"{name} FAILED: {e.get('fail_reason')}")
+            return e if e["state"] == "READY" and e["incarnation"] >= min_incarnation else None
+        try:
+            e = wait_until(ready, timeout_s, f"{name} READY (incarnation >= {min_incarnation})",
+                           interval_s)
+        except BenchError as exc:
+            raise BenchError(f"{exc}\n{self.log_tail()}") from None
+        self.tracker.add(e["pid"])
+        return e
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM, wait, SIGKILL (then `stop_note` says so). Before that, every engine it ever
+        spawned that is still its engine goes to the tracker, so a leftover is killed by pid."""
+        self.status_conn.close()
+        was_running = self.alive()
+        if was_running:
+            for pid in self.spawned_pids():
+                if is_engine_of(pid, self.pid):
+                    self.tracker.add(pid)
+        code = super().stop(timeout_s)
+        if was_running and code is None:
+            self.stop_note = "engined did not stop in time: SIGKILLed"
+        return code
+
+    def remove_dir(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+# --- report -------------------------------------------------------------------------------------
+class Report:
+    """Markdown lines, printed as they come and kept for the output file."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, *lines: str) -> None:
+        for line in lines:
+            print(line, flush=True)
+            self.lines.append(line)
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+    def write(self, out: Path) -> None:
+        """Write the report to `out` atomically (a temporary file, then rename)."""
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(self.text())
+        tmp.replace(out)
+        print(f"\n(written to {out})")
+
+
+def default_out(name: str, quick: bool) -> Path:
+    """bench/results/NAME.md, or NAME-quick.md for a quick run (git-ignored: a quick run never
+    replaces the committed results of a full one)."""
+    return RESULTS / (f"{name}-quick.md" if quick else f"{name}.md")
+
+
+def table(*columns: str) -> tuple[str, str]:
+    """A markdown table's header and separator lines."""
+    return "| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"
+
+
+def med(values: Iterable[float | None]) -> float | None:
+    """Median of the values that are there (None when none is)."""
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def machine_lines() -> list[str]:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor() or "?")
+    return [f"- machine: {os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu}, "
+            f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, Linux {platform.release()}",
+            f"- python: {platform.python_version()} ({sys.executable})",
+            f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"]
+
+
+def cpu_busy_pct(cpu_start: Any) -> float:
+    """How busy all CPUs were on average since `cpu_start` (psutil.cpu_times()), in %."""
+    cpu_end = psutil.cpu_times()
+    busy = (sum(cpu_end) - cpu_end.idle - cpu_end.iowait) - (
+        sum(cpu_start) - cpu_start.idle - cpu_start.iowait)
+    return 100 * busy / max(1e-9, sum(cpu_end) - sum(cpu_start))
