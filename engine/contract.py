@@ -15,10 +15,17 @@ EXIT_OK = 0
 EXIT_FAILURE = 1  # a crash (engine child), another fatal error (daemon)
 EXIT_CONFIG = 78  # EX_CONFIG: the engine's own config or model is invalid; never restarted
 EXIT_SIGNAL_BASE = 128  # 128+N: terminated by signal N after cleanup
+# Before exiting 78 the child prints one line starting with this, naming what is wrong; the
+# daemon puts it in its log line and the engine's fail_reason.
+CONFIG_LINE_PREFIX = "[config] invalid engine config: "
 
 # --- environment the daemon sets for each child --------------------------------------------------
 ENV_CONFIG = "ENGINED_CONFIG"  # JSON of protocol.EngineConfig
 ENV_PARENT_PID = "ENGINED_PARENT_PID"  # the daemon's pid, checked after PR_SET_PDEATHSIG
+ENV_NOFILE = "ENGINED_NOFILE"  # the soft RLIMIT_NOFILE engined started with: the child's own
+# "<daemon pid>/<engine>/<incarnation>", inherited by everything an engine starts: how engined
+# (and its guard, after a daemon SIGKILL) finds an engine's descendants
+ENV_OWNER = "ENGINED_OWNER"
 
 # --- engine channels (ZeroMQ ipc:// endpoints the daemon binds in its runtime directory) ----------
 CONTROL_SOCKET_NAME = "engines-control.sock"

@@ -44,6 +44,21 @@ class StopRequested(Exception):
     """Raised inside model building when SIGTERM/SIGINT arrived: stop loading, clean up."""
 
 
+def _restore_nofile() -> None:
+    """engined raised its own soft RLIMIT_NOFILE; an engine gets the limit engined started with."""
+    wanted = os.environ.get(contract.ENV_NOFILE)
+    if not wanted:
+        return
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        if int(wanted) < soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (int(wanted), hard))
+    except (ValueError, OSError):
+        pass  # keep the raised one: more descriptors never hurt an engine
+
+
 def _die_with_parent() -> None:
     """Ask the kernel to SIGKILL us when the daemon dies, then close the race where it already has.
 
@@ -101,6 +116,7 @@ class EngineCoreProc:
     def run_engine_core(config: proto.EngineConfig | dict | str) -> NoReturn:
         """Process entry: never returns; exits with the DESIGN exit-code contract."""
         _die_with_parent()
+        _restore_nofile()
         stop = _StopFlag()
         signal.signal(signal.SIGTERM, stop.handler)
         signal.signal(signal.SIGINT, stop.handler)
@@ -111,7 +127,8 @@ class EngineCoreProc:
             core = _core_class(cfg)(cfg, stop)
             core.run()
         except (EngineConfigError, msgspec.ValidationError) as exc:
-            print(f"[config] invalid engine config: {exc}", file=sys.stderr, flush=True)
+            reason = " ".join(str(exc).split())  # one line: the daemon reads it back
+            print(f"{contract.CONFIG_LINE_PREFIX}{reason}", file=sys.stderr, flush=True)
             code = contract.EXIT_CONFIG
         except StopRequested:
             pass
@@ -135,6 +152,10 @@ class EngineCoreProc:
         self.build()
         assert self.model is not None
         load_s = time.monotonic() - started
+        # The loop's progress stamp starts now, not when this object was built: with the build's
+        # time in it, the first request after a load longer than stall_timeout looked like
+        # "busy, no progress for load_s" and got a healthy engine killed as stalled.
+        self._stamp()
         # READY goes where requests flow: when the daemon reads it, it can route to us.
         self._send_requests(proto.Ready(cfg.name, cfg.incarnation, load_s, self.model.device,
                                         cfg.model, self.model.dtype, self.model.gpu_memory()))

@@ -89,8 +89,11 @@ def _save_tiny_llama(directory: Path) -> None:
 
 def build_hf_model(config: EngineConfig, progress: ProgressFn) -> HFModel:
     progress("import", "torch, transformers")
-    import torch
-    import transformers
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:  # a missing stack is a configuration error, not a crash loop
+        raise EngineConfigError(missing_stack_message(exc, "torch and transformers")) from None
 
     torch.set_num_threads(max(1, config.threads))
     transformers.logging.set_verbosity_error()
@@ -117,7 +120,26 @@ def _device(config: EngineConfig, torch: Any) -> str:
     return "cuda:0"
 
 
+# A checkpoint directory needs one of each (the files Hugging Face loaders look for).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "tokenizer.tiktoken")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def missing_stack_message(exc: ImportError, stack: str) -> str:
+    """What to tell an operator whose engine's environment lacks its model stack."""
+    import sys
+
+    missing = exc.name or str(exc)
+    return (f"this engine needs {stack}, but {missing!r} cannot be imported in its environment "
+            f"({sys.executable}): {exc}. Install them there: "
+            f"{sys.executable} -m pip install 'engined[engine]' (GPU hosts: your CUDA build of "
+            f"torch first)")
+
+
 def _check_checkpoint(path: Path) -> None:
+    """A directory a loader can use: config.json, tokenizer files and weights."""
     config_file = path / "config.json"
     if not path.is_dir():
         raise EngineConfigError(f"model directory {path} does not exist")
@@ -127,6 +149,13 @@ def _check_checkpoint(path: Path) -> None:
         json.loads(config_file.read_text("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise EngineConfigError(f"corrupt {config_file}: {exc}") from None
+    names = {p.name for p in path.iterdir()}
+    if not names & set(TOKENIZER_FILES):
+        raise EngineConfigError(f"model directory {path} has no tokenizer files (expected one "
+                                f"of {', '.join(TOKENIZER_FILES)})")
+    if not names & set(WEIGHT_FILES) and not any(n.endswith(".safetensors") for n in names):
+        raise EngineConfigError(f"model directory {path} has no weights (expected "
+                                f"{', '.join(WEIGHT_FILES)} or *.safetensors)")
 
 
 def _dtype(name: str | None, path: Path, torch: Any) -> Any:

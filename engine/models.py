@@ -9,6 +9,8 @@ chaos runs come from the child's environment (set through the spec's `env`):
 * ENGINED_ECHO_FAIL=config     — the build reports an invalid config (exit 78, FAILED at once)
 * ENGINED_ECHO_TOKEN_MS=MS     — time per generated token
 * ENGINED_ECHO_CLOSE_S=SECONDS — take this long to free the "model" in the child's cleanup
+* ENGINED_ECHO_SPAWN=child,setsid — start sleeping descendants at build and never stop them
+  (`setsid`: one that leaves the engine's process group), as engines with workers do
 * prompts `!stall` and `!raise` inject faults (see engine.core._inject_faults); for other models
   set ENGINED_FAULT_INJECTION=1 to enable them.
 """
@@ -81,6 +83,7 @@ class EchoModel:
             raise RuntimeError("echo build failed (ENGINED_ECHO_FAIL=build)")
         if fail == "config":
             raise EngineConfigError("echo config rejected (ENGINED_ECHO_FAIL=config)")
+        _spawn_descendants(os.environ.get("ENGINED_ECHO_SPAWN", ""))
         progress("warmup", "")
         return cls(float(os.environ.get("ENGINED_ECHO_TOKEN_MS", "0")) / 1000.0)
 
@@ -99,6 +102,22 @@ class EchoModel:
     def close(self) -> dict[str, float]:
         time.sleep(float(os.environ.get("ENGINED_ECHO_CLOSE_S", "0")))
         return {"model_freed": 1.0}
+
+
+def _spawn_descendants(kinds: str) -> None:
+    """Sleeping processes the engine starts and never stops (for the no-leftovers tests)."""
+    import subprocess
+    import sys
+
+    started = []
+    for kind in filter(None, (k.strip() for k in kinds.split(","))):
+        if kind not in ("child", "setsid"):
+            raise EngineConfigError(f"ENGINED_ECHO_SPAWN: unknown kind {kind!r}")
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
+                                start_new_session=kind == "setsid", stdin=subprocess.DEVNULL)
+        started.append(f"{proc.pid} ({kind})")
+    if started:
+        print(f"[echo] started descendants: {', '.join(started)}", file=sys.stderr, flush=True)
 
 
 def _sleep_in_steps(total_s: float, progress: ProgressFn) -> None:

@@ -133,6 +133,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request_endpoint: str
     heartbeat_interval_s: float
     rendezvous: str | None = None  # "host:port" of a data-parallel group's TCP store
+    python: str | None = None  # the child's interpreter (spec `python:`); None: engined's own
 
 
 _control_encoder = msgspec.msgpack.Encoder()

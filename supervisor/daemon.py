@@ -26,11 +26,14 @@ from engined.supervisor.clock import SystemClock
 from engined.supervisor.control import ControlContext, make_app
 from engined.supervisor.fleet import Fleet
 from engined.supervisor.groups import Owner
-from engined.supervisor.http import LOOP_STALE_S, LoopTicker, MetricsEndpoint
+from engined.supervisor.http import MetricsEndpoint
 from engined.supervisor.ipc import EngineChannels
-from engined.supervisor.launcher import ExecLauncher, expose_engine_package
+from engined.supervisor.launcher import ChildWatcher, ExecLauncher, expose_engine_package
+from engined.supervisor.loop import LoopMonitor
+from engined.supervisor.reaper import Guard, Reaper, become_subreaper
 from engined.supervisor.reload import ReloadRejected, plan_reload
 from engined.supervisor.replica import Replica, ReplicaDeps
+from engined.supervisor.resources import FdBudget, raise_nofile_limit
 from engined.supervisor.runtime import (
     RuntimeError_,
     RuntimeLock,
@@ -71,7 +74,13 @@ class Daemon:
         self.channels: EngineChannels | None = None
         self.control: ControlContext | None = None
         self.sampler = Sampler()
-        self.ticker = LoopTicker()
+        self.monitor = LoopMonitor(self.clock, grace_s=spec.supervisor.heartbeat_interval_s)
+        self.budget = FdBudget(self._starting_children)
+        self.nofile: int | None = None  # the soft limit engined started with (children's)
+        self.watcher = ChildWatcher()  # every child's pidfd; the reaper reaps only others
+        self.reaper = Reaper(lambda: self.watcher.pids)
+        self.guard = Guard(self.watcher)
+        self._stopping = False
         self.notifier = Notifier()
         self.runners: list[web.AppRunner] = []
         self._reload_lock = asyncio.Lock()
@@ -89,18 +98,24 @@ class Daemon:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        old_soft, soft, hard = raise_nofile_limit()
+        self.nofile = old_soft
+        log.info("[start] file descriptors: soft limit %d raised to %d (hard %d); engines get "
+                 "%d", old_soft, soft, hard, old_soft)
+        become_subreaper()
+        self.reaper.install(loop)
+        self._start_guard()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.dispatch, DaemonCommand.SHUTDOWN)
         loop.add_signal_handler(signal.SIGHUP, self.dispatch, DaemonCommand.RELOAD)
         self.channels = EngineChannels(str(self.runtime_dir), self._on_message)
         self.fleet = Fleet(self.spec, self._replica_factory(loop), self.clock)
         self.channels.start()
-        self.ticker.start()
+        self.monitor.start()
         self.runners = [await self._serve_control(), *await self._serve_http()]
         self.fleet.start()
         self.notifier.ready(self._status_line())
-        self._spawn_task(self.notifier.watchdog(lambda: self.ticker.lag_s() < LOOP_STALE_S),
-                         "watchdog")
+        self._spawn_task(self.notifier.watchdog(self.monitor.healthy), "watchdog")
         log.info("[start] engined %s pid %d: %d engines from %s", __version__, os.getpid(),
                  len(self.fleet.replicas), self.config_path)
         try:
@@ -113,6 +128,31 @@ class Daemon:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _start_guard(self) -> None:
+        """The guard outlives a SIGKILLed daemon and kills what it left; a dead one is replaced."""
+        try:
+            pid = self.guard.start()
+        except OSError as exc:
+            log.error("[guard] cannot start the guard (%s); retrying in 5s", exc)
+            asyncio.get_running_loop().call_later(5.0, self._start_guard)
+            return
+        log.info("[guard] pid %d watches for engined's death", pid)
+        assert self.guard.exited is not None
+        self.guard.exited.add_done_callback(self._guard_exited)
+
+    def _guard_exited(self, future: asyncio.Future[Any]) -> None:
+        if self._stopping or future.cancelled():
+            return
+        log.warning("[guard] pid %s exited (%s): starting a new one", self.guard.pid,
+                    future.result().status.describe(unexpected=False))
+        self._start_guard()
+
+    def _starting_children(self) -> int:
+        """Children that still have their ZeroMQ connections to open (the fd reserve)."""
+        if self.fleet is None:
+            return 0
+        return sum(1 for r in self.fleet.replicas.values() if r.state is EngineState.STARTING)
 
     def _on_message(self, msg: Any) -> str | None:
         return self.fleet.on_message(msg) if self.fleet else "unknown_engine"
@@ -130,20 +170,24 @@ class Daemon:
         channels = self.channels
         pythonpath = expose_engine_package(self.runtime_dir / "python")
         deps = ReplicaDeps(
-            loop=loop, clock=self.clock, launcher=ExecLauncher(loop, pythonpath),
+            loop=loop, clock=self.clock,
+            launcher=ExecLauncher(loop, pythonpath, budget=self.budget, nofile=self.nofile,
+                                  watcher=self.watcher),
             log_dir=self.log_dir, control_endpoint=channels.control_endpoint,
             request_endpoint=channels.request_endpoint,
             heartbeat_interval_s=self.spec.supervisor.heartbeat_interval_s,
             heartbeat_timeout_s=self.spec.supervisor.heartbeat_timeout_s,
             on_exit=lambda name, inc, why: channels.fail_engine(name, inc, why),
-            on_state=self._on_state)
+            on_state=self._on_state, monitor=self.monitor, reaper=self.reaper,
+            nvml=self.sampler.nvml)
         return lambda engine, owner: Replica(engine, deps, owner)
 
     async def _serve_control(self) -> web.AppRunner:
         assert self.fleet is not None and self.channels is not None
         self.control = ControlContext(self.fleet, self.channels, self.sampler, self.config_path,
                                       reload=self.request_reload)
-        runner = make_runner(make_app(self.control), MAX_CONTROL_CONNECTIONS)
+        runner = make_runner(make_app(self.control), MAX_CONTROL_CONNECTIONS,
+                             self.budget.may_accept)
         await runner.setup()
         path = Path(self.spec.supervisor.control_socket or self.runtime_dir / "control.sock")
         path.unlink(missing_ok=True)  # stale from a dead daemon; we hold the lock
@@ -162,8 +206,8 @@ class Daemon:
         address = self.spec.supervisor.http
         if address is None:
             return []
-        endpoint = MetricsEndpoint(self.fleet, self.channels, self.sampler, self.ticker)
-        runner = make_runner(endpoint.make_app(), MAX_HTTP_CONNECTIONS)
+        endpoint = MetricsEndpoint(self.fleet, self.channels, self.sampler, self.monitor)
+        runner = make_runner(endpoint.make_app(), MAX_HTTP_CONNECTIONS, self.budget.may_accept)
         await runner.setup()
         try:
             await web.TCPSite(runner, address[0], address[1], reuse_address=True).start()
@@ -228,7 +272,9 @@ class Daemon:
         await asyncio.gather(*tasks, return_exceptions=True)
         for runner in self.runners:
             await runner.cleanup()
-        self.ticker.stop()
+        self.monitor.stop()
+        self._stopping = True
+        await self.guard.close()
         await self.channels.close()
         self.notifier.close()
         log.info("[shutdown] done in %.2fs", time.monotonic() - started)

@@ -15,13 +15,22 @@ Replicas report exits here (`on_down`); decisions and operator commands flow bac
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import socket
 from dataclasses import dataclass
 
-from engined.supervisor.policy import Action, Decision, ExitStatus, FailureHistory, Reason, decide
-from engined.supervisor.replica import Down, Replica
+from engined.supervisor.policy import (
+    Action,
+    Decision,
+    ExitStatus,
+    FailureHistory,
+    Reason,
+    decide,
+    decide_spawn_failure,
+)
+from engined.supervisor.replica import Down, Replica, SpawnFailure
 
 log = logging.getLogger("engined.group")
 
@@ -57,9 +66,20 @@ class ReplicaGroup:
         decision, self._history[replica.name] = decide(
             down.at, spec.restart, down.status, down.reason, history, down.ready_since,
             spec.backoff, spec.start_limit, self.rng.uniform(-1.0, 1.0))
+        if down.config_error and decision.action is Action.FAIL:
+            decision = dataclasses.replace(decision, why=f"exit 78: {down.config_error}")
         log.warning("[exit] %s pid %d %s (reason %s): %s", replica.name, down.pid,
                     down.description, down.reason.value, describe(decision))
         replica.apply(decision, down.reason)
+
+    def on_spawn_failed(self, replica: Replica, failure: SpawnFailure) -> None:
+        spec = replica.spec
+        history = self._history.get(replica.name, FailureHistory())
+        decision, self._history[replica.name] = decide_spawn_failure(
+            failure.at, failure.errno, failure.description, history, spec.backoff,
+            spec.start_limit, self.rng.uniform(-1.0, 1.0))
+        log.warning("[spawn_error] %s: %s", replica.name, describe(decision))
+        replica.apply(decision, Reason.SPAWN_ERROR)
 
     # --- operator commands -------------------------------------------------------------------
     def start(self, members: list[Replica]) -> None:
@@ -84,9 +104,11 @@ class ReplicaGroup:
 @dataclass(frozen=True)
 class _Failure:
     reason: Reason
-    status: ExitStatus
+    status: ExitStatus | None  # None: a rank could not be spawned (`spawn`)
     at: float
     ready_since: float | None  # when the whole group was last READY, for reset_after
+    spawn: SpawnFailure | None = None
+    config_error: str | None = None
 
 
 class Gang:
@@ -103,7 +125,8 @@ class Gang:
 
     def on_down(self, replica: Replica, down: Down) -> None:
         if self._failure is None and not down.peer_stop:
-            self._failure = _Failure(down.reason, down.status, down.at, self._ready_since())
+            self._failure = _Failure(down.reason, down.status, down.at, self._ready_since(),
+                                     config_error=down.config_error)
             log.warning("[group] %s: %s failed (%s): stopping the other ranks", self.name,
                         replica.name, down.reason.value)
             for peer in self.members:
@@ -118,6 +141,22 @@ class Gang:
         replica.hold(own)
         self._maybe_respawn()
 
+    def on_spawn_failed(self, replica: Replica, failure: SpawnFailure) -> None:
+        if self._failure is None:
+            self._failure = _Failure(Reason.SPAWN_ERROR, None, failure.at, self._ready_since(),
+                                     failure)
+            log.warning("[group] %s: %s could not be started (%s): stopping the other ranks",
+                        self.name, replica.name, failure.description)
+            for peer in self.members:
+                if peer is not replica:
+                    peer.stop_for_peer()
+            own = Reason.SPAWN_ERROR
+        else:
+            own = Reason.GROUP
+        self._held[replica.name] = own
+        replica.hold(own)
+        self._maybe_respawn()
+
     def _ready_since(self) -> float | None:
         stamps = [m.ready_since for m in self.members]
         return None if any(s is None for s in stamps) else max(s for s in stamps if s is not None)
@@ -128,12 +167,20 @@ class Gang:
         if self._failure is None or not all(m.settled for m in self.members):
             return  # some rank is still stopping
         failure, self._failure = self._failure, None
-        spec = self.members[0].spec
-        decision, self.history = decide(
-            failure.at, spec.restart, failure.status, failure.reason, self.history,
-            failure.ready_since, spec.backoff, spec.start_limit, self.rng.uniform(-1.0, 1.0))
+        spec, jitter = self.members[0].spec, self.rng.uniform(-1.0, 1.0)
+        if failure.status is None:
+            assert failure.spawn is not None
+            decision, self.history = decide_spawn_failure(
+                failure.at, failure.spawn.errno, failure.spawn.description, self.history,
+                spec.backoff, spec.start_limit, jitter)
+        else:
+            decision, self.history = decide(
+                failure.at, spec.restart, failure.status, failure.reason, self.history,
+                failure.ready_since, spec.backoff, spec.start_limit, jitter)
         if decision.action is Action.RESTART:
             self.rendezvous = new_rendezvous()
+        elif decision.action is Action.FAIL and failure.config_error:
+            decision = dataclasses.replace(decision, why=f"exit 78: {failure.config_error}")
         log.warning("[group] %s: all %d ranks down: %s", self.name, len(self.members),
                     describe(decision).replace("restarting", "restarting the group", 1))
         for member in self.members:

@@ -2,7 +2,8 @@
 
 Semantics are for load balancers and Kubernetes probes:
 * /health: 200 only when every engine that should run is READY, else 503 (JSON body).
-* /livez: 200 while the event loop is responsive (a loop ticker is checked, not just this handler).
+* /livez: 200 while the event loop is responsive (the loop monitor's ticker is checked, not just
+  this handler).
 * /readyz: 200 when every group that should run has at least one READY replica, else 503 (also
   when nothing should run at all: a fleet stopped on purpose serves nothing).
 An engine stopped on purpose (`enginectl stop`) is not expected to run and never fails a check.
@@ -10,48 +11,20 @@ An engine stopped on purpose (`enginectl stop`) is not expected to run and never
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engined.supervisor.fleet import Fleet
 from engined.supervisor.ipc import EngineChannels
+from engined.supervisor.loop import LoopMonitor
 from engined.supervisor.metrics import FleetCollector, make_registry, render
 from engined.supervisor.sampler import Sampler
-
-LOOP_TICK_S = 0.5
-LOOP_STALE_S = 5.0
-
-
-class LoopTicker:
-    """Stamps the time every tick; a stale stamp means the loop was blocked."""
-
-    def __init__(self) -> None:
-        self.last = time.monotonic()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-ticker")
-
-    async def _run(self) -> None:
-        while True:
-            self.last = time.monotonic()
-            await asyncio.sleep(LOOP_TICK_S)
-
-    def lag_s(self) -> float:
-        return max(0.0, time.monotonic() - self.last - LOOP_TICK_S)
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
 
 
 class MetricsEndpoint:
     def __init__(self, fleet: Fleet, channels: EngineChannels, sampler: Sampler,
-                 ticker: LoopTicker) -> None:
-        self.fleet, self.channels, self.sampler, self.ticker = fleet, channels, sampler, ticker
+                 monitor: LoopMonitor) -> None:
+        self.fleet, self.channels, self.sampler, self.monitor = fleet, channels, sampler, monitor
         self.collector = FleetCollector()
         self.registry = make_registry(self.collector)
 
@@ -66,7 +39,7 @@ class MetricsEndpoint:
     async def metrics(self, request: web.Request) -> web.Response:
         views = self.fleet.view().engines
         sample = await self.sampler.sample([v.pid for v in views if v.pid is not None])
-        self.collector.update(views, sample, self.channels.dropped)
+        self.collector.update(views, sample, self.channels.dropped, self.monitor)
         body = render(self.registry)  # on the loop: the handles are the loop's, not a thread's
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -79,7 +52,7 @@ class MetricsEndpoint:
         return web.json_response(body, status=code)
 
     async def livez(self, request: web.Request) -> web.Response:
-        lag = self.ticker.lag_s()
-        ok = lag < LOOP_STALE_S
+        lag = self.monitor.lag_s()
+        ok = self.monitor.healthy()
         return web.json_response({"status": "ok" if ok else "stalled", "loop_lag_s": lag},
                                  status=200 if ok else 503)

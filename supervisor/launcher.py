@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,9 +18,10 @@ from pathlib import Path
 from typing import Mapping, Protocol
 
 import engined.engine
-from engined.engine.contract import ENV_CONFIG, ENV_PARENT_PID
+from engined.engine.contract import ENV_CONFIG, ENV_NOFILE, ENV_OWNER, ENV_PARENT_PID
 from engined.engine.protocol import EngineConfig, encode_config
 from engined.supervisor.policy import ExitStatus
+from engined.supervisor.resources import FdBudget
 
 # Never let a child see the daemon's systemd plumbing: a child writing to NOTIFY_SOCKET would
 # confuse systemd, and WATCHDOG_* would make it think it is the watched process.
@@ -81,8 +83,8 @@ class Launcher(Protocol):
     def spawn(self, config: EngineConfig, env: Mapping[str, str]) -> Child: ...
 
 
-def child_environment(config: EngineConfig, extra: Mapping[str, str],
-                      pythonpath: str) -> dict[str, str]:
+def child_environment(config: EngineConfig, extra: Mapping[str, str], pythonpath: str,
+                      nofile: int | None = None) -> dict[str, str]:
     """The child's environment: ours minus systemd plumbing, plus GPU pinning and thread bounds."""
     env = {k: v for k, v in os.environ.items() if k not in _STRIPPED_ENV}
     threads = str(config.threads)
@@ -98,8 +100,17 @@ def child_environment(config: EngineConfig, extra: Mapping[str, str],
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices = nvidia-smi's = NVML's = ours
     env[ENV_CONFIG] = encode_config(config)
     env[ENV_PARENT_PID] = str(os.getpid())
+    env[ENV_OWNER] = owner_token(config.name, config.incarnation)
+    if nofile is not None:
+        env[ENV_NOFILE] = str(nofile)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     return env
+
+
+def owner_token(engine: str, incarnation: int) -> str:
+    """The mark every process of one incarnation inherits (its descendants too, unless they
+    rewrite their environment): how engined finds what an engine left behind."""
+    return f"{os.getpid()}/{engine}/{incarnation}"
 
 
 class ExecLauncher:
@@ -111,16 +122,26 @@ class ExecLauncher:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pythonpath: str,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, budget: FdBudget | None = None,
+                 nofile: int | None = None, watcher: ChildWatcher | None = None) -> None:
         self.loop = loop
+        self.watcher = watcher or ChildWatcher()
         self.pythonpath = pythonpath
-        self.argv = [python, "-m", ENGINE_MODULE]
+        self.python = python
+        self.budget = budget
+        self.nofile = nofile
 
     def spawn(self, config: EngineConfig, env: Mapping[str, str]) -> Child:
+        """Start the child; raises OSError if it could not be started (nothing is left behind:
+        a child whose exit could not be watched is killed and reaped at once)."""
+        if self.budget is not None:
+            self.budget.check_spawn()
+        python = config.python or self.python
+        argv = [python, "-m", ENGINE_MODULE]
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         try:
-            pid = os.posix_spawn(self.argv[0], self.argv,
-                                 child_environment(config, env, self.pythonpath),
+            pid = os.posix_spawn(python, argv,
+                                 child_environment(config, env, self.pythonpath, self.nofile),
                                  file_actions=[
                                      (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
                                      (os.POSIX_SPAWN_DUP2, write_fd, 1),
@@ -132,7 +153,44 @@ class ExecLauncher:
         finally:
             os.close(write_fd)
         os.set_blocking(read_fd, False)
-        return Child(pid, read_fd, watch_exit(self.loop, pid))
+        try:
+            exited = self.watcher.watch(pid)
+        except BaseException:
+            _kill_and_reap(pid)
+            os.close(read_fd)
+            raise
+        return Child(pid, read_fd, exited)
+
+
+def _kill_and_reap(pid: int) -> None:
+    """A child we cannot watch must not live on: kill its group and reap it (it dies at once)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+class ChildWatcher:
+    """Exit detection by event (a pidfd per child, on the event loop), with the set of pids it
+    watches: the reaper reaps only the others (never steals a supervised child's status)."""
+
+    def __init__(self) -> None:
+        self.pids: set[int] = set()
+
+    def watch(self, pid: int) -> asyncio.Future[ExitRecord]:
+        """Watch `pid` from the running loop (call on the event-loop thread)."""
+        self.pids.add(pid)
+        try:
+            future = watch_exit(asyncio.get_running_loop(), pid)
+        except BaseException:
+            self.pids.discard(pid)
+            raise
+        future.add_done_callback(lambda _: self.pids.discard(pid))
+        return future
 
 
 def watch_exit(loop: asyncio.AbstractEventLoop, pid: int) -> asyncio.Future[ExitRecord]:

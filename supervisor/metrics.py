@@ -11,9 +11,15 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from engined.supervisor import __version__
+from engined.supervisor.loop import LoopMonitor
 from engined.supervisor.policy import Reason
 from engined.supervisor.sampler import Sample
 from engined.supervisor.state import EngineState
@@ -30,10 +36,12 @@ class FleetCollector:
         self._sample = Sample(at=0.0)
         self._ipc_dropped: dict[str, int] = {}
         self._cpu_reported: dict[str, float] = {}
+        self._monitor: LoopMonitor | None = None
 
     def update(self, views: Iterable[EngineView], sample: Sample,
-               ipc_dropped: dict[str, int]) -> None:
+               ipc_dropped: dict[str, int], monitor: LoopMonitor | None = None) -> None:
         self._views, self._sample, self._ipc_dropped = list(views), sample, dict(ipc_dropped)
+        self._monitor = monitor
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: families vary with the fleet
@@ -50,6 +58,21 @@ class FleetCollector:
         for kind, count in sorted(self._ipc_dropped.items()):
             dropped.add_metric([kind], count)
         yield dropped
+        yield from self._loop_metrics()
+
+    def _loop_metrics(self) -> Iterator[Metric]:
+        monitor = self._monitor
+        if monitor is None:
+            return
+        lag = HistogramMetricFamily("engined_event_loop_lag_seconds",
+                                    "How late the daemon's event loop ran its ticker")
+        lag.add_metric([], monitor.lag.buckets(), monitor.lag.total)
+        yield lag
+        stalled = CounterMetricFamily("engined_event_loop_stalled_seconds",
+                                      "Time the daemon itself did not run (liveness deadlines "
+                                      "were extended by it)")
+        stalled.add_metric([], monitor.stalled_seconds_total)
+        yield stalled
 
     def _engine_metrics(self) -> Iterator[Metric]:
         f = _Families()

@@ -6,7 +6,9 @@ passed in, decisions come back as values. The tests are tables.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import errno
 import math
 import os
 import signal
@@ -27,6 +29,7 @@ class Reason(enum.Enum):
     GROUP = "group"
     MANUAL = "manual"
     RELOAD = "reload"
+    SPAWN_ERROR = "spawn_error"  # the child could not be started at all
 
 
 @dataclass(frozen=True)
@@ -96,10 +99,12 @@ class Decision:
 
 @dataclass(frozen=True)
 class FailureHistory:
-    """Consecutive failures (for backoff) and failure times (for the start-limit window)."""
+    """Consecutive failures (for backoff) and failure times (for the start-limit window), and
+    consecutive spawns refused for lack of resources (backoff only: never a start-limit count)."""
 
     consecutive: int = 0
     failure_times: tuple[float, ...] = field(default_factory=tuple)
+    shortages: int = 0
 
 
 def backoff_delay(consecutive: int, backoff: BackoffSpec, jitter_unit: float) -> float:
@@ -129,6 +134,40 @@ def record_failure(now: float, history: FailureHistory, ready_since: float | Non
     return FailureHistory(consecutive + 1, times)
 
 
+# errnos that mean "the machine is short of something right now" (fds, memory, processes): a
+# spawn that fails with one of them is retried with backoff and never counts toward the start
+# limit (a two-minute shortage must not park the fleet FAILED). Anything else (ENOENT, EACCES,
+# ENOEXEC: a bad interpreter) is a failure like a crash.
+SHORTAGE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN,
+                             errno.ENOSPC})
+
+
+def is_shortage(err: int | None) -> bool:
+    return err in SHORTAGE_ERRNOS
+
+
+def decide_spawn_failure(now: float, err: int | None, why: str, history: FailureHistory,
+                         backoff: BackoffSpec, start_limit: StartLimitSpec,
+                         jitter_unit: float) -> tuple[Decision, FailureHistory]:
+    """What to do when a child could not be started at all (posix_spawn, pipe2, pidfd_open
+    failed, or the daemon held its spawn back to keep a resource reserve)."""
+    if is_shortage(err):
+        history = dataclasses.replace(history, shortages=history.shortages + 1)
+        # a shortage is never "immediate": the first retry waits `initial` (at least 1 s)
+        delay = backoff_delay(history.shortages + 1, backoff, jitter_unit)
+        return Decision(Action.RESTART, max(delay, 1.0),
+                        f"{why}: a resource shortage, retried (not counted toward the start "
+                        f"limit)"), history
+    history = record_failure(now, history, None, backoff, start_limit)
+    if len(history.failure_times) > start_limit.burst:
+        return Decision(Action.FAIL, why=f"{why}; start limit hit: "
+                                         f"{len(history.failure_times)} failures within "
+                                         f"{start_limit.interval_s:g}s"), history
+    delay = backoff_delay(history.consecutive, backoff, jitter_unit)
+    return Decision(Action.RESTART, delay, f"{why} (failure {history.consecutive} in a row)"), \
+        history
+
+
 def decide(now: float, restart: str, status: ExitStatus, reason: Reason,
            history: FailureHistory, ready_since: float | None, backoff: BackoffSpec,
            start_limit: StartLimitSpec, jitter_unit: float) -> tuple[Decision, FailureHistory]:
@@ -142,7 +181,8 @@ def decide(now: float, restart: str, status: ExitStatus, reason: Reason,
         return Decision(Action.STOP, why=f"clean exit, restart={restart}"), history
     if restart == "never":
         return Decision(Action.FAIL, why="failed, restart=never"), history
-    history = record_failure(now, history, ready_since, backoff, start_limit)
+    history = dataclasses.replace(
+        record_failure(now, history, ready_since, backoff, start_limit), shortages=0)
     if len(history.failure_times) > start_limit.burst:
         why = (f"start limit hit: {len(history.failure_times)} failures within "
                f"{start_limit.interval_s:g}s (burst {start_limit.burst})")
@@ -161,6 +201,26 @@ def reached(now: float, deadline: float) -> bool:
 
 
 @dataclass(frozen=True)
+class Pauses:
+    """Spans of monotonic time in which the daemon itself did not run (its event loop was
+    blocked, or the process frozen: SIGSTOP, a VM pause, a swap storm, a debugger). Heartbeats
+    that arrived meanwhile sat unread in the kernel: nothing that happened (or did not) in a
+    pause may count against an engine."""
+
+    spans: tuple[tuple[float, float], ...] = ()
+
+    def after(self, t: float) -> float:
+        """Seconds of pause since `t`: how far a deadline measured from `t` moves back."""
+        return sum(end - max(start, t) for start, end in self.spans if end > t)
+
+    def add(self, start: float, end: float, keep: int = 256) -> Pauses:
+        return Pauses((*self.spans, (start, end))[-keep:])
+
+
+NO_PAUSES = Pauses()
+
+
+@dataclass(frozen=True)
 class Liveness:
     """What the daemon knows about one engine's liveness at `now`."""
 
@@ -172,18 +232,25 @@ class Liveness:
     last_iteration_at: float  # the busy loop's own progress stamp, from the last heartbeat
     work_queued: bool  # requests waiting or running in the last heartbeat
     stall_timeout_s: float
+    pauses: Pauses = NO_PAUSES  # the daemon's own pauses: every deadline moves back by them
+    judge_after: float = float("-inf")  # no verdict before (right after a pause of the daemon)
 
 
 def check_liveness(now: float, live: Liveness) -> tuple[Reason | None, float]:
     """Return (reason to kill, or None; the time at which to check again)."""
+    if not reached(now, live.judge_after):
+        return None, live.judge_after  # let what queued during the pause be read first
+    pauses = live.pauses
     if live.starting:
-        deadline = live.spawned_at + live.startup_timeout_s
+        deadline = live.spawned_at + live.startup_timeout_s + pauses.after(live.spawned_at)
         return (Reason.STARTUP_TIMEOUT if reached(now, deadline) else None), deadline
-    hb_deadline = live.last_heartbeat_at + live.heartbeat_timeout_s
+    last_seen = live.last_heartbeat_at
+    hb_deadline = last_seen + live.heartbeat_timeout_s + pauses.after(last_seen)
     if reached(now, hb_deadline):
         return Reason.HANG, hb_deadline
     if live.work_queued:
-        stall_deadline = live.last_iteration_at + live.stall_timeout_s
+        last_step = live.last_iteration_at
+        stall_deadline = last_step + live.stall_timeout_s + pauses.after(last_step)
         if reached(now, stall_deadline):
             return Reason.STALL, stall_deadline
         return None, min(hb_deadline, stall_deadline)

@@ -13,6 +13,7 @@ import asyncio
 import collections
 import dataclasses
 import enum
+import errno
 import logging
 import random
 import signal
@@ -21,9 +22,11 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from engined.engine import protocol as proto
+from engined.engine.contract import CONFIG_LINE_PREFIX, EXIT_CONFIG
 from engined.supervisor.clock import Clock, to_wall
-from engined.supervisor.launcher import Child, ExitRecord, Launcher
+from engined.supervisor.launcher import Child, ExitRecord, Launcher, owner_token
 from engined.supervisor.logs import LogSink, PipeReader
+from engined.supervisor.loop import LoopMonitor
 from engined.supervisor.policy import (
     Action,
     Decision,
@@ -34,6 +37,8 @@ from engined.supervisor.policy import (
     exit_reason,
     reached,
 )
+from engined.supervisor.reaper import Reaper
+from engined.supervisor.sampler import Nvml, wait_gpu_released
 from engined.supervisor.spec import EngineSpec
 from engined.supervisor.state import EngineState, check_transition
 from engined.supervisor.view import EngineView, LastExit
@@ -66,6 +71,17 @@ class Down:
     peer_stop: bool  # the owner stopped it (a peer failed): not a failure of its own
     pid: int
     description: str  # "killed by SIGKILL", for the owner's log line
+    config_error: str | None = None  # exit 78: the child's own words ("[config] ..." line)
+
+
+@dataclass(frozen=True)
+class SpawnFailure:
+    """A child that could not be started at all (posix_spawn, pipe2 or pidfd_open failed, or
+    engined held the spawn back to keep its file-descriptor reserve)."""
+
+    errno: int | None
+    description: str
+    at: float  # monotonic
 
 
 class Owner(Protocol):
@@ -75,6 +91,8 @@ class Owner(Protocol):
     def rendezvous(self) -> str | None: ...
 
     def on_down(self, replica: Replica, down: Down) -> None: ...
+
+    def on_spawn_failed(self, replica: Replica, failure: SpawnFailure) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -91,6 +109,9 @@ class ReplicaDeps:
     heartbeat_timeout_s: float
     on_exit: Callable[[str, int, str], None]  # (name, incarnation, why): fail its requests
     on_state: Callable[[str, EngineState, EngineState], None]
+    monitor: LoopMonitor  # the daemon's own pauses move every liveness deadline back
+    reaper: Reaper | None = None  # clears what an exited incarnation left behind
+    nvml: Nvml | None = None  # with a driver: wait for the GPU memory of the dead to be freed
     rng: random.Random = field(default_factory=random.Random)
 
 
@@ -222,35 +243,78 @@ class Replica:
 
     async def run(self) -> None:
         while True:
-            due, now = self._spawn_due, self.clock.monotonic()
-            if due is not None and reached(now, due) and self.desired is Desired.RUN:
-                self._spawn_due = None
-                self._spawn()
-                await self._watch()
-                continue
-            await self._sleep(None if due is None else due - now)
+            try:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - supervision of an engine must never end
+                log.exception("[bug] %s: internal error in its supervision, resuming in 1s",
+                              self.name)
+                await asyncio.sleep(1.0)
 
-    async def _sleep(self, timeout_s: float | None) -> None:
+    async def _step(self) -> None:
+        if self._watching:  # resume watching a child (after an internal error, say)
+            await self._watch()
+            return
+        due, now = self._spawn_due, self.clock.monotonic()
+        if due is not None and reached(now, due) and self.desired is Desired.RUN:
+            self._spawn_due = None
+            if self._spawn():
+                await self._watch()
+                await self._clear_leftovers()
+            return
+        await self._sleep(due)
+
+    async def _sleep(self, until: float | None) -> None:
         self._wake.clear()
         try:
+            timeout_s = None if until is None else max(0.0, until - self.clock.monotonic())
             await asyncio.wait_for(self._wake.wait(), timeout_s)
         except asyncio.TimeoutError:
-            pass
+            self.deps.monitor.note(until or 0.0, self.clock.monotonic())
 
-    def _spawn(self) -> None:
-        self.incarnation += 1
-        self.child = self.deps.launcher.spawn(self._child_config(), dict(self.spec.env))
-        self._watching = True
-        self._pipe = PipeReader(self.deps.loop, self.child.output_fd, self.log)
-        self._log_mark = self.log.lines_total
-        if self._pending_reason is not None:
+    def _spawn(self) -> bool:
+        """Start a child; False (and the owner told) if it could not be started at all."""
+        if self._pending_reason is not None:  # counted per attempt, whether it spawns or not
             self.record.restarts[self._pending_reason] += 1
             self._pending_reason = None
+        try:
+            child = self.deps.launcher.spawn(self._child_config(self.incarnation + 1),
+                                             dict(self.spec.env))
+        except OSError as exc:
+            self._spawn_failed(exc)
+            return False
+        self.incarnation += 1
+        self.child = child
+        self._watching = True
+        self._pipe = PipeReader(self.deps.loop, child.output_fd, self.log)
+        self._log_mark = self.log.lines_total
         self.vitals = _Vitals(spawned_at=self.child.spawned_at)
         self.restart_at = None
         self._set_state(EngineState.STARTING)
-        self.log.note(f"spawned pid {self.child.pid} incarnation {self.incarnation}")
-        log.info("[spawn] %s pid %d incarnation %d", self.name, self.child.pid, self.incarnation)
+        self.log.note(f"spawned pid {child.pid} incarnation {self.incarnation}")
+        log.info("[spawn] %s pid %d incarnation %d", self.name, child.pid, self.incarnation)
+        return True
+
+    def _spawn_failed(self, exc: OSError) -> None:
+        code = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else "?"
+        text = f"cannot start: {exc.strerror or exc} ({code})"
+        if exc.filename:
+            text += f": {exc.filename}"
+        self.record.last_exit = LastExit(None, None, Reason.SPAWN_ERROR.value, self.clock.wall(),
+                                         text, ())
+        self.log.note(text)
+        self.owner.on_spawn_failed(self, SpawnFailure(exc.errno, text, self.clock.monotonic()))
+
+    async def _clear_leftovers(self) -> None:
+        """Everything the exited incarnation started is gone before its replacement spawns
+        (descendants that left its process group included), and so is their GPU memory."""
+        dead = {self.child.pid} if self.child is not None else set()
+        if self.deps.reaper is not None:
+            dead |= set(await self.deps.reaper.clear(self.name, self.incarnation,
+                                                     owner_token(self.name, self.incarnation)))
+        if self.deps.nvml is not None:
+            await wait_gpu_released(self.deps.nvml, self.name, dead, self.spec.gpus)
 
     async def _watch(self) -> None:
         """Until the child exits: enforce liveness and carry out stop/restart commands."""
@@ -270,17 +334,22 @@ class Replica:
                 if killed_for is not None:
                     self._kill_for(child, killed_for)
                     next_at = self._term_deadline
-            await self._wait_exit_or_wake(child, None if next_at is None else next_at - now)
+            await self._wait_exit_or_wake(child, next_at)
         self._on_exit(child, child.exited.result(), killed_for, requested)
 
-    async def _wait_exit_or_wake(self, child: Child, timeout_s: float | None) -> None:
+    async def _wait_exit_or_wake(self, child: Child, until: float | None) -> None:
+        """Until the child exits, a wake-up, or monotonic time `until`. A timer that fires late
+        tells the loop monitor: the daemon itself did not run meanwhile."""
         self._wake.clear()
         waker: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())
         watched: set[asyncio.Future[Any]] = {child.exited, waker}
+        timeout_s = None if until is None else max(0.0, until - self.clock.monotonic())
         try:
             await asyncio.wait(watched, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             waker.cancel()
+        if until is not None:
+            self.deps.monitor.note(until, self.clock.monotonic())
 
     def _begin_stop(self, child: Child, now: float) -> None:
         self._set_state(EngineState.STOPPING)
@@ -322,7 +391,7 @@ class Replica:
         vitals = self.vitals
         assert vitals is not None
         last_seen = vitals.heartbeat_at or vitals.spawned_at
-        hb = vitals.heartbeat
+        hb, monitor = vitals.heartbeat, self.deps.monitor
         if vitals.cleanup_at is not None:
             # Exiting on its own (an exception, an external SIGTERM): its heartbeats stopped as
             # its cleanup began, and a cleanup (CUDA release, gc) may outlast heartbeat_timeout.
@@ -332,14 +401,16 @@ class Replica:
                             last_heartbeat_at=vitals.cleanup_at,
                             heartbeat_timeout_s=self.spec.stop_timeout_s,
                             last_iteration_at=vitals.cleanup_at, work_queued=False,
-                            stall_timeout_s=self.spec.stall_timeout_s)
+                            stall_timeout_s=self.spec.stall_timeout_s,
+                            pauses=monitor.pauses, judge_after=monitor.judge_after)
         return Liveness(starting=self.state is EngineState.STARTING,
                         spawned_at=vitals.spawned_at,
                         startup_timeout_s=self.spec.startup_timeout_s,
                         last_heartbeat_at=last_seen,
                         heartbeat_timeout_s=self.deps.heartbeat_timeout_s,
                         last_iteration_at=hb.last_iteration_at if hb else last_seen,
-                        work_queued=vitals.busy, stall_timeout_s=self.spec.stall_timeout_s)
+                        work_queued=vitals.busy, stall_timeout_s=self.spec.stall_timeout_s,
+                        pauses=monitor.pauses, judge_after=monitor.judge_after)
 
     # --- exit --------------------------------------------------------------------------------
     def _on_exit(self, child: Child, record: ExitRecord, killed_for: Reason | None,
@@ -368,9 +439,20 @@ class Replica:
         elif requested is not None:  # a restart, or a stop overtaken by a start
             self._spawn_due = self.clock.monotonic()
         else:
+            config_error = self._config_error() if status.code == EXIT_CONFIG else None
             self._record_exit(record, reason, unexpected=killed_for is None)
+            description = status.describe(killed_for is None)
+            if config_error:
+                description = f"exit 78: {config_error}"
             self.owner.on_down(self, Down(reason, status, record.at_monotonic, ready_since,
-                                          False, child.pid, status.describe(killed_for is None)))
+                                          False, child.pid, description, config_error))
+
+    def _config_error(self) -> str | None:
+        """The reason an exit-78 child printed (its last `[config] ...` line), if any."""
+        for line in reversed(self.log.tail_since(self._log_mark, EXIT_TAIL_LINES * 5)):
+            if line.startswith(CONFIG_LINE_PREFIX):
+                return line[len(CONFIG_LINE_PREFIX):].strip()
+        return None
 
     def _record_exit(self, record: ExitRecord, reason: Reason, unexpected: bool) -> None:
         status = record.status
@@ -527,17 +609,17 @@ class Replica:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _child_config(self) -> proto.EngineConfig:
+    def _child_config(self, incarnation: int) -> proto.EngineConfig:
         spec = self.spec
         return proto.EngineConfig(
             name=spec.name, group=spec.group, rank=spec.rank, replicas=spec.replicas,
-            incarnation=self.incarnation, model=spec.model.source, dtype=spec.model.dtype,
+            incarnation=incarnation, model=spec.model.source, dtype=spec.model.dtype,
             gpus=list(spec.gpus), data_parallel=spec.data_parallel,
             max_batch_size=spec.max_batch_size, threads=spec.threads,
             control_endpoint=self.deps.control_endpoint,
             request_endpoint=self.deps.request_endpoint,
             heartbeat_interval_s=self.deps.heartbeat_interval_s,
-            rendezvous=self.owner.rendezvous)
+            rendezvous=self.owner.rendezvous, python=spec.python)
 
 
 def _lost_because(reason: Reason, requested: _Command | None) -> str:

@@ -109,6 +109,44 @@ def _sum_tree(root: int, children: dict[int, list[int]],
     return TreeSample(rss, cpu)
 
 
+GPU_RELEASE_WAIT_S = 10.0
+GPU_RELEASE_POLL_S = 0.1
+
+
+async def wait_gpu_released(nvml: Nvml, name: str, pids: set[int], gpus: tuple[int, ...],
+                            timeout_s: float = GPU_RELEASE_WAIT_S,
+                            poll_s: float = GPU_RELEASE_POLL_S) -> float | None:
+    """Until no pid of `pids` holds memory on `gpus` (NVML), at most `timeout_s`; returns the
+    seconds waited, or None without NVML. A respawn right after an exit races the driver freeing
+    the dead incarnation's memory: the new engine would then fail to allocate."""
+    if not nvml.available or not gpus or not pids:
+        return None
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    logged = False
+    while True:
+        devices = await asyncio.to_thread(nvml.devices)
+        held = {d.index: sorted(p for p in pids if d.process_bytes.get(p))
+                for d in devices if d.index in gpus}
+        held = {gpu: who for gpu, who in held.items() if who}
+        waited = loop.time() - began
+        if not held:
+            if logged:
+                log.info("[gpu] %s: GPU memory of the last incarnation released after %.2fs",
+                         name, waited)
+            return waited
+        if waited >= timeout_s:
+            log.warning("[gpu] %s: GPU(s) %s still held by %s after %.0fs: spawning anyway",
+                        name, sorted(held), sorted({p for v in held.values() for p in v}),
+                        waited)
+            return waited
+        if not logged:
+            log.info("[gpu] %s: waiting for GPU(s) %s to release the memory of pid(s) %s",
+                     name, sorted(held), sorted({p for v in held.values() for p in v}))
+            logged = True
+        await asyncio.sleep(poll_s)
+
+
 class Sampler:
     def __init__(self, nvml: Nvml | None = None) -> None:
         self.nvml = nvml if nvml is not None else Nvml()
@@ -128,4 +166,9 @@ class Sampler:
         return self.last
 
     def _take(self, pids: list[int]) -> Sample:
-        return Sample(time.monotonic(), sample_trees(pids), self.nvml.devices())
+        try:
+            trees = sample_trees(pids)
+        except OSError as exc:  # no descriptor to read /proc with (EMFILE): report without
+            log.warning("[sample] cannot read process trees: %s", exc)
+            trees = {}
+        return Sample(time.monotonic(), trees, self.nvml.devices())

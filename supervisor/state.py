@@ -24,12 +24,13 @@ _S = EngineState
 # STARTING/READY -> STOPPED/BACKOFF/FAILED directly: the child exited by itself (crash, exit 78).
 # STOPPING -> STOPPED/BACKOFF/FAILED: we killed it (stop, hang, stall, startup timeout, group).
 TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
-    _S.STOPPED: frozenset({_S.STARTING}),
+    # STOPPED/FAILED -> BACKOFF/FAILED: a start whose child could not be spawned at all.
+    _S.STOPPED: frozenset({_S.STARTING, _S.BACKOFF, _S.FAILED}),
     _S.STARTING: frozenset({_S.READY, _S.STOPPING, _S.BACKOFF, _S.FAILED, _S.STOPPED, _S.STARTING}),
     _S.READY: frozenset({_S.STOPPING, _S.BACKOFF, _S.FAILED, _S.STOPPED, _S.STARTING}),
     _S.STOPPING: frozenset({_S.STOPPED, _S.BACKOFF, _S.FAILED, _S.STARTING}),
     _S.BACKOFF: frozenset({_S.STARTING, _S.STOPPED, _S.FAILED}),
-    _S.FAILED: frozenset({_S.STARTING, _S.STOPPED}),
+    _S.FAILED: frozenset({_S.STARTING, _S.STOPPED, _S.BACKOFF}),
 }
 
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -29,21 +29,26 @@ _LINGER_S = 2.0
 _CLIENT_ERROR_LOG_EVERY_S = 5.0
 
 
-def make_runner(app: web.Application, max_connections: int) -> web.AppRunner:
-    """An AppRunner with the timeouts, the connection cap and the quiet client-error log."""
+def make_runner(app: web.Application, max_connections: int,
+                may_accept: Callable[[], bool] = lambda: True) -> web.AppRunner:
+    """An AppRunner with the timeouts, the connection cap (and `may_accept`: the daemon's
+    file-descriptor reserve) and the quiet client-error log."""
     # keepalive_timeout also bounds the wait for a first complete request (aiohttp arms it at
     # accept): a client that sends half a request line is closed when it expires.
-    return CappedRunner(app, max_connections, handle_signals=False, access_log=None,
+    return CappedRunner(app, max_connections, may_accept, handle_signals=False, access_log=None,
                         keepalive_timeout=CLIENT_TIMEOUT_S, lingering_time=_LINGER_S,
                         logger=ServerLog(logging.getLogger("engined.http")))
 
 
 class CappedRunner(web.AppRunner):
-    """Its sites accept at most `max_connections` at a time; the rest are closed at once."""
+    """Its sites accept at most `max_connections` at a time, and none while `may_accept()` says
+    no (descriptors are short); the rest are closed at once."""
 
-    def __init__(self, app: web.Application, max_connections: int, **kwargs: Any) -> None:
+    def __init__(self, app: web.Application, max_connections: int,
+                 may_accept: Callable[[], bool], **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self.max_connections = max_connections
+        self.may_accept = may_accept
 
     @property
     def server(self) -> Any:  # what sites use as their protocol factory
@@ -56,7 +61,8 @@ class _CappedFactory:
         self.inner, self.runner = inner, runner
 
     def __call__(self) -> asyncio.BaseProtocol:
-        if len(self.inner.connections) >= self.runner.max_connections:
+        if (len(self.inner.connections) >= self.runner.max_connections
+                or not self.runner.may_accept()):
             return _Refuse()
         return self.inner()
 

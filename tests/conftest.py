@@ -102,3 +102,31 @@ def tiny_checkpoint(tiny_cache: Path) -> Path:
     """The built checkpoint directory: a valid `{path: DIR}` model."""
     (path,) = tiny_cache.glob("tiny-llama-*")
     return path
+
+
+@pytest.fixture(scope="session")
+def engine_only_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An interpreter of its own venv that has what the engine side needs (pyzmq, msgspec) and
+    nothing else: no torch, no transformers, no engined (the daemon exposes its engine package
+    to it). Built without pip: the two packages are linked from this venv."""
+    import site
+    import sys
+    import sysconfig
+
+    root = tmp_path_factory.mktemp("engine-only-venv")
+    done = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    ours = Path(sysconfig.get_paths()["purelib"])
+    theirs = Path(subprocess.run(
+        [str(root / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+         "['purelib'])"], capture_output=True, text=True, timeout=60, check=True).stdout.strip())
+    for name in ("zmq", "pyzmq.libs", "msgspec"):
+        if (ours / name).exists():
+            (theirs / name).symlink_to(ours / name, target_is_directory=True)
+    probe = subprocess.run([str(root / "bin" / "python"), "-c",
+                            "import zmq, msgspec\ntry:\n import torch\nexcept ImportError:\n"
+                            " print('ok')"], capture_output=True, text=True, timeout=60,
+                           cwd=root)
+    assert probe.stdout.strip() == "ok", (probe.stdout, probe.stderr, site.getsitepackages())
+    return root / "bin" / "python"

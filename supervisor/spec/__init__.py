@@ -55,7 +55,31 @@ def load_fleet(path: str | os.PathLike[str]) -> FleetSpec:
         raise SpecError(
             [SpecProblem(source, "", None, f"cannot read fleet spec: {reason}")]
         ) from None
-    return parse_fleet(data, source, base_dir=os.path.dirname(os.path.abspath(source)))
+    fleet = parse_fleet(data, source, base_dir=os.path.dirname(os.path.abspath(source)))
+    check_host(fleet)
+    return fleet
+
+
+def check_host(fleet: FleetSpec) -> None:
+    """What the spec names on this machine and cannot do without: every `python:` interpreter
+    must be an executable file (a missing one is a configuration error, not a crash loop).
+    Raises SpecError naming each."""
+    problems = []
+    for index, (group, members) in enumerate(fleet.groups().items()):
+        python = members[0].python
+        if python is None:
+            continue
+        if not os.path.isfile(python):
+            why = "does not exist" if not os.path.exists(python) else "is not a file"
+        elif not os.access(python, os.X_OK):
+            why = "is not executable"
+        else:
+            continue
+        problems.append(SpecProblem(fleet.source, f"engines[{index}].python", None,
+                                    f"interpreter {python} {why} (engine {group!r}; a venv's "
+                                    f"interpreter is <venv>/bin/python)"))
+    if problems:
+        raise SpecError(problems)
 
 
 def parse_fleet(
@@ -92,7 +116,7 @@ def anchor_paths(fleet: FleetSpec, base_dir: str) -> FleetSpec:
         if model.path is not None:
             path = _anchor(base_dir, model.path)
             model = dataclasses.replace(model, path=path, source=path)
-        engines.append(dataclasses.replace(engine, model=model))
+        engines.append(dataclasses.replace(engine, model=model, python=anchor(engine.python)))
     return dataclasses.replace(fleet, supervisor=supervisor, engines=tuple(engines))
 
 
@@ -123,6 +147,7 @@ __all__ = [
     "StartLimitSpec",
     "SupervisorSpec",
     "anchor_paths",
+    "check_host",
     "format_fleet",
     "load_fleet",
     "parse_duration",

@@ -87,5 +87,7 @@ def _format_engine(e: EngineSpec) -> list[str]:
         ),
         ("env", env),
     ]
+    if e.python:
+        rows.insert(1, ("python", _printable(e.python)))
     head = f"  {e.name}  (group {e.group}, rank {e.rank} of {e.replicas})"
     return [head] + [f"    {key:<10}{value}" for key, value in rows]

@@ -82,6 +82,7 @@ class EngineSpec:
     startup_timeout_s: float
     stall_timeout_s: float
     stop_timeout_s: float
+    python: str | None = None  # the child's interpreter (its own venv); None: engined's own
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ _SETTING_CHECKS: dict[str, _Check] = {
     "max_batch_size": _int_in(1, 4096),
     "threads": _int_in(1, 1024),
     "env": _env,
+    "python": _optional_text,
 }
 _SETTING_KEYS = (*_SETTING_CHECKS, *_NESTED)
 _ENGINE_ONLY = ("name", "replicas")
@@ -87,6 +88,7 @@ _BUILTIN_SETTINGS: dict[str, _Located] = {
         "max_batch_size": 8,
         "threads": 1,
         "env": (),
+        "python": None,
         "backoff.initial": 1.0,
         "backoff.max": 30.0,
         "backoff.factor": 2.0,
@@ -369,6 +371,7 @@ def _expand(g: _Group) -> list[EngineSpec]:
             startup_timeout_s=s["startup_timeout"],
             stall_timeout_s=s["stall_timeout"],
             stop_timeout_s=s["stop_timeout"],
+            python=s["python"],
         )
         for rank in range(g.replicas)
     ]

@@ -77,8 +77,12 @@ def test_every_design_metric_is_exposed_with_its_labels(http_fleet):
                  "engined_engine_heartbeat_timestamp_seconds",
                  "engined_engine_resident_memory_bytes", "engined_engine_cpu_seconds_total",
                  "engined_engine_requests_total", "engined_engine_requests_running",
-                 "engined_engine_requests_waiting"):
+                 "engined_engine_requests_waiting", "engined_event_loop_lag_seconds_bucket",
+                 "engined_event_loop_lag_seconds_count",
+                 "engined_event_loop_stalled_seconds_total"):
         assert name in names, name
+    assert _value(samples, "engined_engine_restarts_total", engine="echo-0",
+                  reason="spawn_error") == 0
     assert _value(samples, "engined_engine_up", engine="echo-0") == 1
     assert _value(samples, "engined_engine_state", engine="echo-0", state="READY") == 1
     assert _value(samples, "engined_engine_state", engine="echo-0", state="FAILED") == 0
@@ -119,7 +123,9 @@ def test_grafana_dashboard_covers_the_operator_views():
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
     for metric in ("engined_engine_state", "engined_engine_restarts_total",
                    "engined_engine_startup_duration_seconds",
-                   "engined_engine_gpu_memory_allocated_bytes", "engined_gpu_memory_used_bytes"):
+                   "engined_engine_gpu_memory_allocated_bytes", "engined_gpu_memory_used_bytes",
+                   "engined_event_loop_lag_seconds_bucket",
+                   "engined_event_loop_stalled_seconds_total", 'reason="spawn_error"'):
         assert metric in exprs, metric
 
 

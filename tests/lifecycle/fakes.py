@@ -23,6 +23,7 @@ import yaml
 from engined.engine import protocol as proto
 from engined.supervisor.fleet import Fleet
 from engined.supervisor.launcher import Child, ExitRecord
+from engined.supervisor.loop import LoopMonitor
 from engined.supervisor.policy import ExitStatus
 from engined.supervisor.replica import Replica, ReplicaDeps
 from engined.supervisor.spec import FleetSpec, parse_fleet
@@ -134,6 +135,7 @@ class World:
             on_exit=lambda name, inc, why: world.lost.append((name, inc, why)),
             on_state=lambda name, old, new: world.transitions.append(
                 Transition(clock.monotonic(), name, old, new)),
+            monitor=LoopMonitor(clock, grace_s=spec.supervisor.heartbeat_interval_s),
             rng=random.Random(0))
         fleet = Fleet(spec, lambda engine, owner: Replica(engine, deps, owner), clock,
                       rng=random.Random(0))

@@ -5,6 +5,7 @@ the cleanup grace, operator commands racing exits, data-parallel gangs, reload a
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -486,3 +487,57 @@ def test_random_interleavings_keep_the_invariants(tmp_path, seed):
 
     scenario(tmp_path, [{"name": "a", "replicas": 2}, DP], body,
              defaults={"startup_timeout": "30s", "backoff": {"initial": "1s", "max": "4s"}})
+
+
+# --- the daemon's own pauses ------------------------------------------------------------------
+
+def _freeze(seconds: float) -> None:
+    """engined does not run for `seconds` (SIGSTOP, a VM pause): time passes, nothing runs."""
+    loop = asyncio.get_running_loop()
+    loop.now += seconds  # type: ignore[attr-defined]  # the AutojumpLoop's clock
+
+
+def test_a_pause_of_the_daemon_itself_is_never_blamed_on_engines(tmp_path):
+    async def body(w: World) -> None:
+        await w.start("a-0", "a-1")
+        children = {n: w.child(n) for n in ("a-0", "a-1")}
+        for name in children:
+            w.stop_pulse(name)
+            w.heartbeat(name)
+        _freeze(2.5 * HEARTBEAT_TIMEOUT_S)
+        await asyncio.sleep(0)  # the overdue deadlines fire first, before anything is read...
+        for name in children:
+            w.pulse(name)  # ...then the heartbeats that queued meanwhile
+        await w.settle(60.0)
+        assert all(c.alive and not c.signals for c in children.values())
+        assert [w.replica(n).view().restarts for n in children] == [0, 0]
+        monitor = w.replica("a-0").deps.monitor
+        assert monitor.stalled_seconds_total >= 1.5 * HEARTBEAT_TIMEOUT_S
+        # an engine that really froze is still caught one timeout after its last heartbeat
+        w.stop_pulse("a-0")
+        w.heartbeat("a-0")
+        last = w.clock.monotonic()
+        await w.until(lambda: signal.SIGKILL in children["a-0"].signals)
+        took = children["a-0"].signalled_at[signal.SIGKILL] - last
+        assert took == pytest.approx(HEARTBEAT_TIMEOUT_S, abs=1e-6)
+        assert children["a-1"].alive
+
+    scenario(tmp_path, [{"name": "a", "replicas": 2}], body)
+
+
+def test_no_verdict_until_a_heartbeat_interval_after_the_pause(tmp_path):
+    async def body(w: World) -> None:
+        await w.start("a-0")
+        child = w.child("a-0")
+        w.stop_pulse("a-0")
+        w.heartbeat("a-0")
+        _freeze(3 * HEARTBEAT_TIMEOUT_S)
+        resumed = w.clock.monotonic()
+        await w.until(lambda: signal.SIGKILL in child.signals)
+        # nothing arrived after the pause either: hang, but judged only once the grace (one
+        # heartbeat interval) passed and the extended deadline was reached
+        assert child.signalled_at[signal.SIGKILL] >= resumed + 1.0 - 1e-6
+        await w.settle()
+        assert w.replica("a-0").view().last_exit.reason == "hang"
+
+    scenario(tmp_path, [{"name": "a"}], body)

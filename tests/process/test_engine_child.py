@@ -105,14 +105,14 @@ def _env(cache: Path) -> dict[str, str]:
 
 
 def _spawn(channels: Channels, cache: Path, model: str, dtype: str | None = None,
-           ) -> subprocess.Popen[str]:
+           extra_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     config = proto.EngineConfig(
         name="tiny-0", group="tiny", rank=0, replicas=1, incarnation=1, model=model, dtype=dtype,
         gpus=[], data_parallel=False, max_batch_size=8, threads=1,
         control_endpoint=channels.control_endpoint, request_endpoint=channels.request_endpoint,
         heartbeat_interval_s=0.2)
     env = {**_env(cache), contract.ENV_CONFIG: proto.encode_config(config),
-           contract.ENV_PARENT_PID: str(os.getpid())}
+           contract.ENV_PARENT_PID: str(os.getpid()), **(extra_env or {})}
     return subprocess.Popen([sys.executable, "-m", "engined.engine"], cwd=REPO_ROOT, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -221,3 +221,29 @@ def test_model_error_exits_78(channels: Channels, cache: Path, children, tmp_pat
     seen = channels.control_until(proto.Goodbye, 5.0)
     assert seen[-1].reason == "config", seen[-1]
     assert not channels.requests.poll(0), "no READY after a config error"
+
+
+def test_loop_progress_is_stamped_from_ready_not_from_the_build(channels: Channels, cache: Path,
+                                                                 children):
+    """A heartbeat carries the busy loop's progress stamp. It used to start at the engine's
+    construction, so after a load longer than stall_timeout the first heartbeat that saw the
+    first request looked like "busy, no progress for load_s" and got the engine killed as
+    stalled. Every heartbeat's stamp is now from after the load."""
+    load_s = 1.5
+    began = time.monotonic()
+    proc = _spawn(channels, cache, "builtin:echo",
+                  extra_env={"ENGINED_ECHO_LOAD_S": str(load_s), "ENGINED_ECHO_TOKEN_MS": "100"})
+    children.append(proc)
+    identity, ready = channels.wait_ready(60)
+    channels.requests.send_multipart(  # the first request, at once (4 tokens of 100 ms)
+        [identity, proto.encode(proto.GenerateRequest("first", "abcd", max_tokens=4))])
+    beats: list[proto.Heartbeat] = []
+    deadline = time.monotonic() + 30
+    while len(beats) < 8:
+        msg = channels.next_control(max(0.01, deadline - time.monotonic()))
+        if isinstance(msg, proto.Heartbeat):
+            beats.append(msg)
+    assert any(b.running or b.waiting for b in beats), beats  # the request was seen busy
+    assert min(b.last_iteration_at for b in beats) >= began + load_s, (began, beats)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert _exit(proc, 30)[0] == 128 + signal.SIGTERM

@@ -188,14 +188,16 @@ S = EngineState
     (S.STOPPED, S.STARTING), (S.STARTING, S.READY), (S.READY, S.STOPPING),
     (S.STOPPING, S.STOPPED), (S.READY, S.BACKOFF), (S.BACKOFF, S.STARTING),
     (S.STARTING, S.FAILED), (S.FAILED, S.STARTING), (S.READY, S.STARTING),
+    # a start whose child could not be spawned at all (spawn_error)
+    (S.STOPPED, S.BACKOFF), (S.STOPPED, S.FAILED), (S.FAILED, S.BACKOFF),
 ])
 def test_legal_transitions(old, new):
     assert check_transition(old, new) is new
 
 
 @pytest.mark.parametrize("old, new", [
-    (S.STOPPED, S.READY), (S.STOPPED, S.FAILED), (S.BACKOFF, S.READY), (S.FAILED, S.READY),
-    (S.STOPPING, S.READY), (S.STOPPED, S.STOPPING),
+    (S.STOPPED, S.READY), (S.BACKOFF, S.READY), (S.FAILED, S.READY), (S.BACKOFF, S.STOPPING),
+    (S.STOPPING, S.READY), (S.STOPPED, S.STOPPING), (S.FAILED, S.STOPPING),
 ])
 def test_illegal_transitions_name_both_states(old, new):
     with pytest.raises(IllegalTransition) as err:
