@@ -258,6 +258,10 @@ class BenchDaemon(Daemon):
             engines = self.status()["engines"]
             for e in engines:
                 self.tracker.add(e["pid"])
+            failed = [e for e in engines if e["state"] == "FAILED"]  # never restarted: give up
+            if failed:
+                raise BenchError(f"{len(failed)} engine(s) FAILED while starting, e.g. "
+                                 f"{failed[0]['name']}: {failed[0].get('fail_reason')}")
             return len(engines) == self.replicas and all(e["state"] == "READY" for e in engines)
         try:
             try:

@@ -188,23 +188,33 @@ class DirectWorker:
 
 def direct_worker_main() -> int:
     """The worker's side: build the model exactly as the engine does, then time generate calls."""
-    from engined.engine.llm import build_hf_model
-    from engined.engine.protocol import EngineConfig, GenerateRequest
+    from engined.engine.backend import Admission, Delta
+    from engined.engine.llm import build_hf_backend
+    from engined.engine.protocol import EngineConfig, Sampling
 
     config = EngineConfig(name="direct", group="direct", rank=0, replicas=1, incarnation=1,
                           model="builtin:tiny-llama", dtype=None, gpus=[], data_parallel=False,
                           max_batch_size=8, threads=1, control_endpoint="", request_endpoint="",
                           heartbeat_interval_s=1.0)
-    model = build_hf_model(config, lambda phase, detail: None)
+    model = build_hf_backend(config, lambda phase, detail: None)
     print(json.dumps({"ready": True}), flush=True)
+    sampling = Sampling(max_tokens=MAX_TOKENS)
+    tokens = [0]
+
+    def count(event: object) -> None:
+        if isinstance(event, Delta):
+            tokens[0] += len(event.token_ids)
+
     for line in sys.stdin:
         batch = json.loads(line)["batch"]
-        requests = [GenerateRequest(f"r{i}", PROMPTS[i], MAX_TOKENS) for i in range(batch)]
+        tokens[0] = 0
         started = time.perf_counter()
-        done = model.generate(requests)
+        for i in range(batch):  # the same path the engine takes: tokenize, add, step
+            model.add(Admission(f"r{i}", model.tokenize(PROMPTS[i]), MAX_TOKENS, sampling))
+        while model.has_work():
+            model.step(count, lambda: None)
         elapsed = time.perf_counter() - started
-        print(json.dumps({"elapsed_s": elapsed,
-                          "tokens": sum(c.completion_tokens for c in done)}), flush=True)
+        print(json.dumps({"elapsed_s": elapsed, "tokens": tokens[0]}), flush=True)
     return 0
 
 

@@ -12,7 +12,6 @@ Exit codes (DESIGN): 0 clean, 78 invalid engine config/model, 128+N after signal
 
 from __future__ import annotations
 
-import collections
 import copy
 import ctypes
 import gc
@@ -29,13 +28,16 @@ import zmq
 
 from engined.engine import contract
 from engined.engine import protocol as proto
-from engined.engine.models import EngineConfigError, Model, build_model
+from engined.engine.backend import Backend, EngineConfigError
+from engined.engine.models import build_backend
+from engined.engine.requests import RequestTable
 
 _PR_SET_PDEATHSIG = 1
 _IDLE_POLL_MS = 500  # idle wake-up; a signal wakes the loop at once through the wakeup fd
 _LINGER_MS = 500  # bounded linger: a dead daemon must not block our exit
 _COALESCE_GAP_S = 0.001  # batching window: requests arriving this close together share a batch
 _COALESCE_MAX_S = 0.005
+_STALL_FAULT_S = 3600.0
 _DP_IDLE_POLL_MS = 500  # DP ranks idle here; each wake-up costs one collective
 _DIST_TIMEOUT_S = 600  # collectives and rendezvous; the daemon's stall/startup limits act first
 
@@ -93,16 +95,14 @@ class EngineCoreProc:
         _validate(config)
         self.config = copy.deepcopy(config)
         self.stop = stop or _StopFlag()
-        self.model: Model | None = None
+        self.model: Backend | None = None
+        self.table: RequestTable | None = None
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.control = self._socket(zmq.PUSH, config.control_endpoint)
         self.requests = self._socket(zmq.DEALER, config.request_endpoint, identity=True)
-        self.waiting: collections.deque[tuple[proto.GenerateRequest, float]] = collections.deque()
-        self.running = 0
         self.iteration = 0
         self.last_iteration_at = time.monotonic()
-        self.requests_ok = 0
-        self.requests_failed = 0
+        self._faulty: list[proto.GenerateRequest] = []  # requests whose prompt injects a fault
         self._heartbeat: _HeartbeatThread | None = None
         self.idle_poll_ms = _IDLE_POLL_MS
         self.in_collective = False  # a DP rank waiting on its peers (stall detection counts it)
@@ -151,6 +151,7 @@ class EngineCoreProc:
         started = time.monotonic()
         self.build()
         assert self.model is not None
+        self.table = RequestTable(self.model, cfg.name, cfg.incarnation, self._send_requests)
         load_s = time.monotonic() - started
         # The loop's progress stamp starts now, not when this object was built: with the build's
         # time in it, the first request after a load longer than stall_timeout looked like
@@ -167,7 +168,13 @@ class EngineCoreProc:
 
     def build(self) -> None:
         """Lazy initialisation, inside the child: the model (and, for DP ranks, the group)."""
-        self.model = build_model(self.config, self._progress)
+        self.model = build_backend(self.config, self._progress)
+
+    # --- what the heartbeat thread reads ------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.model is not None and self.model.has_work() or bool(
+            self.table and self.table.active)
 
     def busy_loop(self) -> None:
         poller = zmq.Poller()
@@ -175,10 +182,11 @@ class EngineCoreProc:
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         poller.register(wake_r, zmq.POLLIN)
+        assert self.table is not None
         try:
             while True:
-                was_idle = not self.waiting
-                ready = dict(poller.poll(0 if self.waiting else self.idle_poll_ms))
+                was_idle = not self.busy
+                ready = dict(poller.poll(0 if self.busy else self.idle_poll_ms))
                 if wake_r in ready:
                     _drain_fd(wake_r)
                 if self.requests in ready:
@@ -189,22 +197,23 @@ class EngineCoreProc:
                     break
                 self.iteration += 1
                 self.last_iteration_at = time.monotonic()
-            self._abort_waiting("engine stopping")
+            self.table.fail_all("engine stopping")
         finally:
             signal.set_wakeup_fd(-1)
             os.close(wake_r)
             os.close(wake_w)
 
     def _coalesce(self) -> None:
-        """Work arrived on an idle engine: take what arrives right behind it into the same batch.
+        """Work arrived on an idle engine: take what arrives right behind it into the same step.
 
-        A generate call cannot take new requests once it runs (no continuous batching), so a
-        burst split as [7+1] costs two full generations. Wait while requests keep coming (gaps
-        under _COALESCE_GAP_S), at most _COALESCE_MAX_S, never past a full batch: a lone request
-        pays one empty poll of the gap.
+        The transformers backend cannot add requests to a running `generate`, so a burst split
+        as [7+1] costs two full generations. Wait while requests keep coming (gaps under
+        _COALESCE_GAP_S), at most _COALESCE_MAX_S, never past a full batch: a lone request pays
+        one empty poll of the gap.
         """
+        assert self.table is not None
         deadline = time.monotonic() + _COALESCE_MAX_S
-        while len(self.waiting) < self.config.max_batch_size and not self.stop.set:
+        while len(self.table.active) < self.config.max_batch_size and not self.stop.set:
             left = deadline - time.monotonic()
             if left <= 0 or not self.requests.poll(int(min(_COALESCE_GAP_S, left) * 1000) or 1):
                 return
@@ -214,32 +223,17 @@ class EngineCoreProc:
         """One busy-loop iteration; False ends the loop (stop requested)."""
         if self.stop.set:
             return False
-        if self.waiting:
-            self.step(self.next_batch(), self._stamp)
+        if self.model is not None and self.model.has_work():
+            self.run_step(self._stamp)
         return True
 
-    def next_batch(self) -> list[tuple[proto.GenerateRequest, float]]:
-        count = min(len(self.waiting), self.config.max_batch_size)
-        return [self.waiting.popleft() for _ in range(count)]
-
-    def step(self, batch: list[tuple[proto.GenerateRequest, float]],
-             on_token: Callable[[], None]) -> None:
-        """One batch: run the model, send results."""
-        assert self.model is not None
-        self.running = len(batch)
-        started = time.monotonic()
-        try:
-            if self.faults:
-                _inject_faults([req for req, _ in batch])
-            completions = self.model.generate([req for req, _ in batch], on_token)
-        finally:
-            self.running = 0
-        compute_s = time.monotonic() - started
-        for (req, queued_at), done in zip(batch, completions):
-            self._reply(req, text=done.text, prompt_tokens=done.prompt_tokens,
-                        completion_tokens=done.completion_tokens, batch_size=len(batch),
-                        queue_s=started - queued_at, compute_s=compute_s)
-            self.requests_ok += 1
+    def run_step(self, on_token: Callable[[], None]) -> None:
+        """One backend step: new tokens go out as they come."""
+        assert self.model is not None and self.table is not None
+        if self._faulty:
+            _inject_faults(self._faulty)
+        self.table.started()
+        self.model.step(self.table.on_event, on_token)
 
     def _stamp(self) -> None:
         """Progress inside a long step (per token), so only a really stuck loop looks stalled."""
@@ -297,7 +291,7 @@ class EngineCoreProc:
         print(f"[load] {self.config.name} {phase} {detail}".rstrip(), file=sys.stderr, flush=True)
 
     def _take_requests(self) -> None:
-        now = time.monotonic()
+        assert self.table is not None
         while True:
             try:
                 frame = self.requests.recv(zmq.NOBLOCK)
@@ -310,24 +304,18 @@ class EngineCoreProc:
                       file=sys.stderr, flush=True)
                 continue
             if isinstance(msg, proto.GenerateRequest):
-                self.waiting.append((msg, now))
+                if self.faults and msg.prompt.startswith(("!stall", "!raise")):
+                    self._faulty.append(msg)
+                self.table.admit(msg)
+            elif isinstance(msg, proto.Abort):
+                self.table.abort(msg.id)
             # proto.Wake only had to end the poll: a DP peer has work, join the next step.
-
-    def _reply(self, req: proto.GenerateRequest, **fields: Any) -> None:
-        self._send_requests(proto.GenerateResult(id=req.id, engine=self.config.name,
-                                                 incarnation=self.config.incarnation, **fields))
 
     def _send_requests(self, message: msgspec.Struct) -> None:
         try:
             self.requests.send(proto.encode(message), zmq.NOBLOCK)
         except zmq.Again:
             pass  # the daemon is gone or not reading; it fails the request itself
-
-    def _abort_waiting(self, error: str) -> None:
-        while self.waiting:
-            req, _ = self.waiting.popleft()
-            self._reply(req, error=error)
-            self.requests_failed += 1
 
 
 class DPEngineCoreProc(EngineCoreProc):
@@ -378,15 +366,14 @@ class DPEngineCoreProc(EngineCoreProc):
         self._progress("group", f"{cfg.replicas} ranks joined ({backend})")
 
     def iterate(self) -> bool:
-        batch = self.next_batch() if self.waiting else []
-        local_steps = max((req.max_tokens for req, _ in batch), default=0)
+        assert self.model is not None
+        local_steps = self.model.pending_tokens()
         steps, stopping = self._agree(local_steps, self.stop.set)
         if stopping:
-            self.waiting.extendleft(reversed(batch))  # answered "engine stopping" by the loop
-            return False
-        if batch:
+            return False  # what is still queued is answered "engine stopping" by the loop
+        if local_steps:
             self._tokens_synced = 0
-            self.step(batch, self._lockstep_token)
+            self.run_step(self._lockstep_token)
             remaining = steps - self._tokens_synced  # peers' batches may run longer than ours
         else:
             remaining = steps
@@ -411,9 +398,8 @@ class DPEngineCoreProc(EngineCoreProc):
         self._tokens_synced += 1
 
     def _dummy_step(self) -> None:
-        dummy = getattr(self.model, "dummy_step", None)
-        if dummy is not None:
-            dummy()
+        assert self.model is not None
+        self.model.dummy_step()
         self._sync_step()
 
     def _sync_step(self) -> None:
@@ -444,6 +430,7 @@ class _HeartbeatThread(threading.Thread):
         super().__init__(name="engined-heartbeat", daemon=True)
         self.core = core
         self._stopped = threading.Event()
+        self._warned = False
         self.sock = core.ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 4)  # a stale heartbeat is worthless: do not queue many
@@ -458,13 +445,25 @@ class _HeartbeatThread(threading.Thread):
         self.sock.close(linger=0)
 
     def _beat(self) -> None:
+        try:
+            self._send_beat()
+        except Exception as exc:  # noqa: BLE001 - a dead heartbeat thread would read as a hang
+            if not self._warned:
+                self._warned = True
+                print(f"[heartbeat] {self.core.config.name}: cannot build a heartbeat: "
+                      f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+    def _send_beat(self) -> None:
         core, cfg = self.core, self.core.config
-        model = core.model
+        model, table = core.model, core.table
+        load = model.load() if model is not None else None
         hb = proto.Heartbeat(cfg.name, cfg.incarnation, core.iteration,
-                             core.last_iteration_at, len(core.waiting), core.running,
-                             core.requests_ok, core.requests_failed,
+                             core.last_iteration_at, load.waiting if load else 0,
+                             load.running if load else 0,
+                             table.ok if table else 0, table.failed if table else 0,
                              model.gpu_memory() if model is not None else [],
-                             core.in_collective)
+                             core.in_collective, table.tokens if table else 0,
+                             load.kv_cache_usage if load else None)
         try:
             self.sock.send(proto.encode(hb), zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -503,13 +502,13 @@ def _exit_reason(code: int, stop: _StopFlag) -> str:
     return {contract.EXIT_OK: "clean", contract.EXIT_CONFIG: "config"}.get(code, "exception")
 
 
-def _inject_faults(batch: list[proto.GenerateRequest]) -> None:
+def _inject_faults(requests: list[proto.GenerateRequest]) -> None:
     """`!stall`: the step wedges (the loop stops progressing, heartbeats go on); `!raise`: the
     busy loop raises. Enabled for builtin:echo and wherever ENGINED_FAULT_INJECTION=1."""
-    for req in batch:
+    for req in requests:
         if req.prompt.startswith("!stall"):
             while True:
-                time.sleep(3600)
+                time.sleep(_STALL_FAULT_S)
         if req.prompt.startswith("!raise"):
             raise RuntimeError(f"fault injected by request {req.id} (!raise)")
 
@@ -537,5 +536,3 @@ def _release_cuda() -> dict[str, float]:
             "cuda_allocated_after_bytes": float(torch.cuda.memory_allocated()),
             "cuda_reserved_after_bytes": float(torch.cuda.memory_reserved())}
 
-
-ProgressFn = Callable[[str, str], None]

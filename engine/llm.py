@@ -1,30 +1,52 @@
-"""Hugging Face causal-LM engines: `builtin:tiny-llama` and `{path: DIR, dtype: ...}`.
+"""The transformers backend: `builtin:tiny-llama` and `{path: DIR, dtype: ...}` Hugging Face
+causal LMs, streaming tokens as they come.
 
 Imported only inside the child, only when such a model is configured: this module is the one
 place that imports torch and transformers. No hub access, ever: the child runs with
 HF_HUB_OFFLINE=1 and every load is `from_pretrained(<local directory>)`.
 
-`builtin:tiny-llama` is a small random-weight Llama with a byte-level tokenizer, built once (seeded,
-so every replica and every run gets the same weights) with `save_pretrained` into a cache
-directory, and from then on loaded through the same `from_pretrained` path as a real checkpoint.
+`builtin:tiny-llama` is a small random-weight Llama with a byte-level tokenizer and a chat template,
+built once (seeded, so every replica and every run gets the same weights) with `save_pretrained`
+into a cache directory, and from then on loaded through the same `from_pretrained` path as a real
+checkpoint. Its head_dim is 64 (hidden 256, 4 heads): vLLM's CPU attention loads it too.
+
+One HF `generate` call applies one set of sampling parameters to a whole batch, so a batch is
+formed of waiting requests with the same parameters; a request that arrives while a batch runs
+waits for the next one (vLLM's backend has continuous batching). A per-token hook streams each
+row's new tokens, stamps the busy loop's progress and ends rows that are done or aborted.
 """
 
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from engined.engine.models import Completion, EngineConfigError, ProgressFn
+from engined.engine.backend import (
+    Admission,
+    Delta,
+    Emit,
+    EngineConfigError,
+    Finished,
+    Load,
+    ProgressFn,
+    RequestRejected,
+    fallback_chat_prompt,
+)
 
 if TYPE_CHECKING:
-    from engined.engine.protocol import EngineConfig, GenerateRequest, GpuMemory
+    from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Sampling
 
-TINY_LLAMA_VERSION = "v1"  # bump when the recipe below changes: a new cache directory is built
+TINY_LLAMA_VERSION = "v2"  # bump when the recipe below changes: a new cache directory is built
+# head_dim 64 (vLLM's CPU attention needs 32, 64, 80 or more); chat template for the chat path
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
+                      "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 _SPECIALS = ("<pad>", "<s>", "</s>")
 
 
@@ -68,9 +90,10 @@ def _save_tiny_llama(directory: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
                                         bos_token="<s>", eos_token="</s>")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128,
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=256, intermediate_size=512,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
+                         max_position_embeddings=2048, pad_token_id=0, bos_token_id=1,
                          eos_token_id=2, tie_word_embeddings=False,
                          initializer_range=0.2)  # wide enough that greedy output varies
     torch.manual_seed(0)
@@ -87,7 +110,7 @@ def _save_tiny_llama(directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def build_hf_model(config: EngineConfig, progress: ProgressFn) -> HFModel:
+def build_hf_backend(config: EngineConfig, progress: ProgressFn) -> HFBackend:
     progress("import", "torch, transformers")
     try:
         import torch
@@ -104,9 +127,9 @@ def build_hf_model(config: EngineConfig, progress: ProgressFn) -> HFModel:
     dtype = _dtype(config.dtype, path, torch)
     progress("weights", f"{path} ({str(dtype).removeprefix('torch.')}, {device})")
     model, tokenizer = _load(path, dtype, device)
-    built = HFModel(model, tokenizer, device, dtype, list(config.gpus))
+    built = HFBackend(model, tokenizer, device, dtype, list(config.gpus), config.max_batch_size)
     progress("warmup", "one generate step")
-    built.generate_ids(["warm-up"], 2)
+    built.warm_up()
     return built
 
 
@@ -185,9 +208,21 @@ def _load(path: Path, dtype: Any, device: str) -> tuple[Any, Any]:
     return model.to(device).eval(), tokenizer
 
 
-class HFModel:
-    def __init__(self, model: Any, tokenizer: Any, device: str, dtype: Any,
-                 gpus: list[int]) -> None:
+@dataclass
+class _Row:
+    request: Admission
+    ids: list[int] = field(default_factory=list)  # generated so far (this incarnation)
+    text_len: int = 0  # characters of decode(ids) already emitted
+    done: bool = False
+
+
+def _sampling_key(sampling: Sampling) -> tuple[float, float, int | None]:
+    return (sampling.temperature, sampling.top_p, sampling.seed)
+
+
+class HFBackend:
+    def __init__(self, model: Any, tokenizer: Any, device: str, dtype: Any, gpus: list[int],
+                 max_batch_size: int) -> None:
         import torch
 
         self.torch = torch
@@ -195,36 +230,125 @@ class HFModel:
         self.device = device
         self.dtype = str(dtype).removeprefix("torch.")
         self.gpus = gpus
+        self.max_batch_size = max_batch_size
+        self.waiting: collections.deque[Admission] = collections.deque()
+        self.rows: dict[str, _Row] = {}  # the batch being generated
+        self.vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tokenizer))
+        self.max_length = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
 
-    def generate(self, batch: list[GenerateRequest],
-                 on_token: Callable[[], None] = lambda: None) -> list[Completion]:
-        rows = self.generate_ids([r.prompt for r in batch], max(r.max_tokens for r in batch),
-                                 on_token)
-        out = []
-        for req, (prompt_tokens, new_tokens) in zip(batch, rows):
-            ids = new_tokens[: req.max_tokens]
-            out.append(Completion(self.tokenizer.decode(ids, skip_special_tokens=True),
-                                  prompt_tokens, len(ids)))
-        return out
+    # --- tokens ------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
 
-    def generate_ids(self, prompts: list[str], max_new_tokens: int,
-                     on_token: Callable[[], None] = lambda: None) -> list[tuple[int, list[int]]]:
-        """Greedy generation for a left-padded batch: (prompt tokens, new token ids) per row."""
+    def detokenize(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[ChatMessage]) -> list[int]:
+        chat = [{"role": m.role, "content": m.content} for m in messages]
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+            return list(ids)
+        return self.tokenize(fallback_chat_prompt(messages))
+
+    # --- requests ----------------------------------------------------------------------------
+    def add(self, request: Admission) -> None:
+        ids = request.prompt_ids
+        if not ids:
+            raise RequestRejected("empty prompt")
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise RequestRejected(f"token ids must be in 0..{self.vocab_size - 1}")
+        if len(ids) + request.max_tokens > self.max_length:
+            raise RequestRejected(f"prompt ({len(ids)} tokens) plus max_tokens "
+                                  f"({request.max_tokens}) exceeds the model's context of "
+                                  f"{self.max_length}")
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        row = self.rows.get(request_id)
+        if row is not None:
+            row.done = True  # its row stops at the next token
+        self.waiting = collections.deque(r for r in self.waiting if r.id != request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting)
+
+    def _next_batch(self) -> list[Admission]:
+        first = self.waiting[0]
+        if first.sampling.seed is not None:
+            # `generate` draws from one RNG for the whole batch: a seeded request is
+            # reproducible only alone
+            return [first]
+        key = _sampling_key(first.sampling)
+        batch = [r for r in self.waiting
+                 if r.sampling.seed is None and _sampling_key(r.sampling) == key]
+        return batch[:self.max_batch_size]
+
+    def pending_tokens(self) -> int:
+        return max((r.max_tokens for r in self._next_batch()), default=0) if self.waiting else 0
+
+    def load(self) -> Load:
+        return Load(running=sum(1 for r in self.rows.values() if not r.done),
+                    waiting=len(self.waiting))
+
+    def step(self, emit: Emit, on_token: Callable[[], None]) -> None:
+        """One batch of same-sampling requests through one `generate` call, streamed."""
+        batch = self._next_batch()
+        chosen = {r.id for r in batch}
+        self.waiting = collections.deque(r for r in self.waiting if r.id not in chosen)
+        self.rows = {r.id: _Row(r) for r in batch}
+        try:
+            self._generate(batch, emit, on_token)
+            for row in self.rows.values():  # generate ended at the batch's longest max_tokens
+                if not row.done:
+                    row.done = True
+                    emit(Finished(row.request.id, "length"))
+        finally:
+            self.rows = {}
+
+    def _generate(self, batch: list[Admission], emit: Emit, on_token: Callable[[], None]) -> None:
         torch = self.torch
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True).to(self.device)
+        width = max(len(r.prompt_ids) for r in batch)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids
+                                  for r in batch], device=self.device)
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids)
+                             for r in batch], device=self.device)
+        sampling = batch[0].sampling
+        kwargs: dict[str, Any] = {"do_sample": sampling.temperature > 0}
+        if sampling.temperature > 0:
+            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p)
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+        hook = _StreamHook(self, [self.rows[r.id] for r in batch], width, emit, on_token)
         with torch.inference_mode():
-            output = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                         pad_token_id=self.tokenizer.pad_token_id,
-                                         stopping_criteria=_progress_criteria(on_token))
-        width = enc["input_ids"].shape[1]
-        eos = self.tokenizer.eos_token_id
-        results = []
-        for row, mask in zip(output, enc["attention_mask"]):
-            new = row[width:].tolist()
-            if eos in new:  # finished rows are padded after their end-of-sequence token
-                new = new[: new.index(eos)]
-            results.append((int(mask.sum()), new))
-        return results
+            self.model.generate(input_ids=input_ids, attention_mask=mask,
+                                max_new_tokens=max(r.max_tokens for r in batch),
+                                pad_token_id=pad, stopping_criteria=hook.criteria(), **kwargs)
+
+    def _advance(self, row: _Row, token: int, emit: Emit) -> bool:
+        """Row `row` produced `token`; True when it is done."""
+        if token == self.tokenizer.eos_token_id:
+            row.done = True
+            emit(Finished(row.request.id, "stop"))
+            return True
+        row.ids.append(token)
+        full = self.detokenize(row.ids)
+        # a byte-level token may end inside a multi-byte character: hold its text back
+        text = "" if full.endswith("\ufffd") else full[row.text_len:]
+        if text:
+            row.text_len = len(full)
+        emit(Delta(row.request.id, [token], text))
+        if len(row.ids) >= row.request.max_tokens:
+            row.done = True
+            emit(Finished(row.request.id, "length"))
+        return row.done
+
+    def warm_up(self) -> None:
+        request = Admission("warm-up", self.tokenize("warm-up"), 2,
+                            _greedy_sampling())
+        self.add(request)
+        self.step(lambda event: None, lambda: None)
 
     def dummy_step(self) -> None:
         """A one-token forward: what an idle data-parallel rank runs while its peers work."""
@@ -252,18 +376,44 @@ class HFModel:
             report["cuda_allocated_with_model_bytes"] = float(cuda.memory_allocated())
         self.model = None
         self.tokenizer = None
+        self.waiting.clear()
         gc.collect()
         return report
 
 
-def _progress_criteria(on_token: Callable[[], None]) -> Any:
-    """A stopping criterion that never stops: it stamps busy-loop progress after every token."""
-    from transformers import StoppingCriteria, StoppingCriteriaList
+def _greedy_sampling() -> Sampling:
+    from engined.engine.protocol import Sampling
 
-    class _Stamp(StoppingCriteria):
-        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-            on_token()
-            import torch
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    return Sampling(max_tokens=2)
 
-    return StoppingCriteriaList([_Stamp()])
+
+class _StreamHook:
+    """Called by `generate` after every token position: stream each live row's new token, end
+    rows that are done (eos, their own max_tokens, aborted), stamp the busy loop's progress."""
+
+    def __init__(self, backend: HFBackend, rows: list[_Row], width: int, emit: Emit,
+                 on_token: Callable[[], None]) -> None:
+        self.backend, self.rows, self.width = backend, rows, width
+        self.emit, self.on_token = emit, on_token
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        torch = self.backend.torch
+        position = input_ids.shape[1] - 1
+        done = []
+        for i, row in enumerate(self.rows):
+            if not row.done and position >= self.width:
+                self.backend._advance(row, int(input_ids[i, position]), self.emit)
+            done.append(row.done)
+        self.on_token()
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    def criteria(self) -> Any:
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        hook = self
+
+        class _Hook(StoppingCriteria):
+            def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+                return hook(input_ids, scores, **kwargs)
+
+        return StoppingCriteriaList([_Hook()])

@@ -1,79 +1,86 @@
-"""Models an engine core can run, built lazily inside the child.
+"""Building an engine's backend, lazily inside the child, and the light one: `builtin:echo`.
 
-`builtin:echo` is the light engine: same lifecycle, heartbeats and request loop as a real one, no
-torch. It echoes the prompt back one character-token at a time. Fault switches for tests and
+`builtin:echo` has the same lifecycle, heartbeats and request loop as a real engine, no torch:
+characters are tokens (a token id is the character's code point) and the completion is the
+prompt itself, so it is an exact oracle: a request resumed after k delivered tokens continues
+with the prompt's character k. A chat echoes its last message. Fault switches for tests and
 chaos runs come from the child's environment (set through the spec's `env`):
 
 * ENGINED_ECHO_LOAD_S=SECONDS  — take this long to "load" (reported as progress phases)
 * ENGINED_ECHO_FAIL=build      — the build raises (a crash: exit 1, restarted with backoff)
 * ENGINED_ECHO_FAIL=config     — the build reports an invalid config (exit 78, FAILED at once)
-* ENGINED_ECHO_TOKEN_MS=MS     — time per generated token
+* ENGINED_ECHO_TOKEN_MS=MS     — time per generated token (one token per request per step;
+  without it a step emits every remaining token at once)
 * ENGINED_ECHO_CLOSE_S=SECONDS — take this long to free the "model" in the child's cleanup
 * ENGINED_ECHO_SPAWN=child,setsid — start sleeping descendants at build and never stop them
   (`setsid`: one that leaves the engine's process group), as engines with workers do
-* prompts `!stall` and `!raise` inject faults (see engine.core._inject_faults); for other models
-  set ENGINED_FAULT_INJECTION=1 to enable them.
+* prompts `!stall` and `!raise` inject faults (see engine.core); for other models set
+  ENGINED_FAULT_INJECTION=1 to enable them.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
+
+from engined.engine.backend import (
+    Admission,
+    Backend,
+    Delta,
+    Emit,
+    EngineConfigError,
+    Finished,
+    Load,
+    ProgressFn,
+    RequestRejected,
+)
 
 if TYPE_CHECKING:
-    from engined.engine.protocol import EngineConfig, GenerateRequest, GpuMemory
+    from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory
 
-ProgressFn = Callable[[str, str], None]
-
-
-class EngineConfigError(Exception):
-    """The engine's own config or model is invalid: exit 78, do not restart."""
+BACKENDS = ("transformers", "vllm")
+MAX_ECHO_PROMPT = 1 << 20
 
 
-@dataclass(frozen=True)
-class Completion:
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-class Model(Protocol):
-    device: str
-    dtype: str
-
-    def generate(self, batch: list[GenerateRequest],
-                 on_token: Callable[[], None] = ...) -> list[Completion]:
-        """Run one batch; call `on_token` after each generated token (busy-loop progress)."""
-
-    def gpu_memory(self) -> list[GpuMemory]: ...
-
-    def close(self) -> dict[str, float]: ...
-
-
-def build_model(config: EngineConfig, progress: ProgressFn) -> Model:
-    """Dispatch on the model source; heavy imports happen only in the branch that needs them."""
+def build_backend(config: EngineConfig, progress: ProgressFn) -> Backend:
+    """Dispatch on the model source and the backend; heavy imports happen only in the branch
+    that needs them."""
     if config.model == "builtin:echo":
-        return EchoModel.build(progress)
+        return EchoBackend.build(progress)
     if config.model.startswith("builtin:") and config.model != "builtin:tiny-llama":
         raise EngineConfigError(f"unknown builtin model {config.model!r}")
-    from engined.engine.llm import (
-        build_hf_model,  # torch and transformers load here, in the child only
-    )
+    if config.backend == "vllm":
+        from engined.engine.vllm_backend import build_vllm_backend
 
-    return build_hf_model(config, progress)
+        return build_vllm_backend(config, progress)
+    if config.backend != "transformers":
+        raise EngineConfigError(f"unknown backend {config.backend!r} (known: "
+                                f"{', '.join(BACKENDS)})")
+    from engined.engine.llm import build_hf_backend  # torch and transformers load here only
+
+    return build_hf_backend(config, progress)
 
 
-class EchoModel:
+class _Echo:
+    def __init__(self, request: Admission, source: list[int], start: int) -> None:
+        self.id = request.id
+        self.source = source  # the prompt's ids (without the resumed ones)
+        self.position = start  # next character to emit
+        self.end = min(len(source), start + request.max_tokens)
+        self.reason = "stop" if self.end == len(source) else "length"
+
+
+class EchoBackend:
     device = "cpu"
     dtype = "none"
 
     def __init__(self, token_s: float) -> None:
         self.token_s = token_s
+        self.running: dict[str, _Echo] = {}
 
     @classmethod
-    def build(cls, progress: ProgressFn) -> EchoModel:
+    def build(cls, progress: ProgressFn) -> EchoBackend:
         fail = os.environ.get("ENGINED_ECHO_FAIL", "")
         load_s = float(os.environ.get("ENGINED_ECHO_LOAD_S", "0"))
         progress("weights", "echo")
@@ -87,20 +94,64 @@ class EchoModel:
         progress("warmup", "")
         return cls(float(os.environ.get("ENGINED_ECHO_TOKEN_MS", "0")) / 1000.0)
 
-    def generate(self, batch: list[GenerateRequest],
-                 on_token: Callable[[], None] = lambda: None) -> list[Completion]:
-        longest = max(min(req.max_tokens, len(req.prompt)) for req in batch)
-        for _ in range(longest if self.token_s else 0):
+    # --- tokens ------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def detokenize(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids if 0 <= i < 0x110000)
+
+    def apply_chat_template(self, messages: list[ChatMessage]) -> list[int]:
+        return self.tokenize(messages[-1].content if messages else "")
+
+    # --- requests ----------------------------------------------------------------------------
+    def add(self, request: Admission) -> None:
+        if len(request.prompt_ids) > MAX_ECHO_PROMPT:
+            raise RequestRejected(f"prompt of {len(request.prompt_ids)} tokens is longer than "
+                                  f"{MAX_ECHO_PROMPT}")
+        if any(not 0 <= i < 0x110000 for i in request.prompt_ids):
+            raise RequestRejected("token ids of builtin:echo are unicode code points")
+        resumed = request.resumed
+        source = request.prompt_ids[:len(request.prompt_ids) - resumed] if resumed else \
+            request.prompt_ids
+        self.running[request.id] = _Echo(request, source, resumed)
+
+    def abort(self, request_id: str) -> None:
+        self.running.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.running)
+
+    def pending_tokens(self) -> int:
+        return 1 if self.running else 0
+
+    def step(self, emit: Emit, on_token: Callable[[], None]) -> None:
+        if self.token_s:
+            time.sleep(self.token_s)  # one token for every running request, like a batch step
+        for echo in list(self.running.values()):
+            upto = min(echo.end, echo.position + 1) if self.token_s else echo.end
+            ids = echo.source[echo.position:upto]
+            echo.position = upto
+            if ids:
+                emit(Delta(echo.id, ids, self.detokenize(ids)))
+            if echo.position >= echo.end and echo.id in self.running:
+                del self.running[echo.id]
+                emit(Finished(echo.id, echo.reason))
+        on_token()
+
+    def load(self) -> Load:
+        return Load(running=len(self.running), waiting=0)
+
+    def dummy_step(self) -> None:
+        if self.token_s:
             time.sleep(self.token_s)
-            on_token()
-        return [Completion(req.prompt[: req.max_tokens], len(req.prompt),
-                           min(req.max_tokens, len(req.prompt))) for req in batch]
 
     def gpu_memory(self) -> list[GpuMemory]:
         return []
 
     def close(self) -> dict[str, float]:
         time.sleep(float(os.environ.get("ENGINED_ECHO_CLOSE_S", "0")))
+        self.running.clear()
         return {"model_freed": 1.0}
 
 

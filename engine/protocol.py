@@ -17,6 +17,8 @@ that is no longer current. Nothing is ever pickled.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 # Safety bounds for decoding: a malformed or hostile frame must not cost the daemon memory.
@@ -73,6 +75,8 @@ class Heartbeat(msgspec.Struct, tag="hb", frozen=True):
     requests_failed: int = 0
     gpu_memory: list[GpuMemory] = []
     in_collective: bool = False  # a data-parallel rank blocked waiting for its peers
+    tokens: int = 0  # tokens generated so far (all requests)
+    kv_cache_usage: float | None = None  # 0..1, where the backend reports it (vLLM)
 
 
 class Goodbye(msgspec.Struct, tag="bye", frozen=True):
@@ -88,10 +92,49 @@ ControlMessage = Hello | Progress | Heartbeat | Goodbye  # what the control chan
 ChildMessage = ControlMessage | Ready  # everything that changes an engine's lifecycle state
 
 
-class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
-    id: str
-    prompt: str
+# --- requests: one protocol for every backend -------------------------------------------------
+FINISH_STOP = "stop"  # end of sequence, or a stop string (not included in the text)
+FINISH_LENGTH = "length"  # max_tokens reached
+FINISH_ABORT = "abort"  # the daemon aborted it (its client went away)
+FINISH_ERROR = "error"  # see GenerateResult.error
+
+
+class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Sampling parameters. temperature 0 is greedy (deterministic); a seed makes a sampled
+    request reproducible on one engine (not after it moved to another: see `resume`)."""
+
     max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []  # stop strings; the text ends before the first one
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: str  # system | user | assistant
+    content: str
+
+
+class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
+    """A completion (`prompt`, or `prompt_ids` given as token ids) or a chat (`messages`: the
+    child applies its tokenizer's chat template, or a plain documented fallback). `resume`
+    carries the token ids already delivered for this request by an engine that died: the
+    engine continues after them (they are appended to the prompt's ids, never re-tokenised
+    text) and `max_tokens` counts them."""
+
+    id: str
+    prompt: str = ""
+    prompt_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    sampling: Sampling = Sampling()
+    stream: bool = False  # TokenChunks as tokens come, then the GenerateResult
+    resume: list[int] = []
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    """The daemon no longer wants request `id` (its client went away): stop generating it."""
+
+    id: str
 
 
 class Wake(msgspec.Struct, tag="wake", frozen=True):
@@ -99,20 +142,37 @@ class Wake(msgspec.Struct, tag="wake", frozen=True):
     the next lockstep step now instead of at the end of their idle poll."""
 
 
+class TokenChunk(msgspec.Struct, tag="tok", frozen=True):
+    """New tokens of a streamed request (its text may lag its ids by a partial character)."""
+
+    id: str
+    engine: str
+    incarnation: int
+    token_ids: list[int]
+    text: str
+
+
 class GenerateResult(msgspec.Struct, tag="result", frozen=True):
+    """A request's end. Not streamed: the whole completion; streamed: only what the chunks did
+    not carry. Token counts cover the whole request: prompt_tokens is the original prompt (the
+    resumed ids excluded), completion_tokens includes the resumed ids."""
+
     id: str
     engine: str
     incarnation: int
     text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    batch_size: int = 0
+    batch_size: int = 0  # requests running beside it when it started
     queue_s: float = 0.0
     compute_s: float = 0.0
     error: str | None = None
+    rejected: bool = False  # the request itself is invalid (a client error: retrying is futile)
 
 
-RequestMessage = GenerateRequest | GenerateResult | Wake | Ready
+RequestMessage = GenerateRequest | Abort | Wake | TokenChunk | GenerateResult | Ready
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -134,6 +194,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_interval_s: float
     rendezvous: str | None = None  # "host:port" of a data-parallel group's TCP store
     python: str | None = None  # the child's interpreter (spec `python:`); None: engined's own
+    backend: str = "transformers"  # transformers | vllm (builtin:echo ignores it)
+    engine_args: dict[str, Any] = {}  # passed to the backend (vLLM's EngineArgs)
 
 
 _control_encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,123 @@
+"""What a backend is to the engine core: requests join a running engine, each step advances every
+request it is running, and new tokens come out as events.
+
+The core (engine/core.py) owns the request bookkeeping that is the same for every backend:
+streaming or collecting, stop strings (checked across a resumed request's seam), usage, aborts,
+timing. A backend owns its model and tokenizer:
+
+* echo (engine/models.py): characters are tokens, no torch; continuous batching by construction;
+* transformers (engine/llm.py): a HF model; one `generate` per batch of requests with the same
+  sampling parameters, streaming through a per-token hook;
+* vllm (engine/vllm_backend.py): vLLM's LLMEngine in-process, continuous batching.
+
+Built lazily inside the child; imports nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    from engined.engine.protocol import ChatMessage, GpuMemory, Sampling
+
+ProgressFn = Callable[[str, str], None]
+
+
+class EngineConfigError(Exception):
+    """The engine's own config or model is invalid: exit 78, do not restart."""
+
+
+class RequestRejected(Exception):
+    """This request is invalid for this engine (too long, a bad token id): the client's error."""
+
+
+@dataclass
+class Admission:
+    """A request as the core hands it to the backend: the prompt already in token ids (the
+    resumed ids appended), the tokens still to generate, and the sampling parameters."""
+
+    id: str
+    prompt_ids: list[int]
+    max_tokens: int  # still to generate (the original max_tokens minus the resumed ids)
+    sampling: Sampling
+    resumed: int = 0  # how many of prompt_ids are resumed output (the last ones)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New tokens of a request. `text` may be shorter than the ids say (a partial character is
+    held back until the next token completes it)."""
+
+    id: str
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request ended inside the backend: eos or max_tokens (`stop` / `length`), or the
+    backend failed it (`error`, with what went wrong)."""
+
+    id: str
+    reason: str
+    error: str | None = None
+
+
+Event = Delta | Finished
+Emit = Callable[[Event], None]
+
+
+@dataclass(frozen=True)
+class Load:
+    running: int  # requests being generated
+    waiting: int  # admitted, not yet running
+    kv_cache_usage: float | None = None  # 0..1 where the backend knows it
+
+
+class Backend(Protocol):
+    device: str
+    dtype: str
+
+    def tokenize(self, text: str) -> list[int]:
+        """The prompt's token ids (with what the model expects at the start, e.g. BOS)."""
+
+    def apply_chat_template(self, messages: list[ChatMessage]) -> list[int]:
+        """A chat's prompt ids: the tokenizer's template, else the documented fallback."""
+
+    def detokenize(self, ids: list[int]) -> str: ...
+
+    def add(self, request: Admission) -> None:
+        """The request joins (running requests go on). Raises RequestRejected."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop generating it (no Finished event follows)."""
+
+    def has_work(self) -> bool: ...
+
+    def pending_tokens(self) -> int:
+        """How many per-token hooks the next `step` calls (0: none to run): data-parallel
+        ranks agree on it to run their collectives in lockstep."""
+
+    def step(self, emit: Emit, on_token: Callable[[], None]) -> None:
+        """Advance the running requests, emitting events as tokens come; call `on_token` after
+        each generated token position (busy-loop progress, data-parallel lockstep)."""
+
+    def load(self) -> Load: ...
+
+    def dummy_step(self) -> None:
+        """A tiny forward: what an idle data-parallel rank runs while its peers work."""
+
+    def gpu_memory(self) -> list[GpuMemory]: ...
+
+    def close(self) -> dict[str, float]:
+        """Free the model; returns what was freed (for the cleanup report)."""
+
+
+FALLBACK_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"  # per message, then "<|assistant|>\n"
+
+
+def fallback_chat_prompt(messages: list[ChatMessage]) -> str:
+    """The documented chat fallback for tokenizers without a chat template."""
+    return "".join(FALLBACK_CHAT_TEMPLATE.format(role=m.role, content=m.content)
+                   for m in messages) + "<|assistant|>\n"

@@ -1,0 +1,197 @@
+"""The engine core's request bookkeeping, the same for every backend.
+
+Admission (the prompt to token ids: text, ids, or a chat through the backend's template; a
+resumed request's delivered ids appended), the backend's events turned into what the daemon
+receives (TokenChunks as tokens come and a final GenerateResult, or one GenerateResult), stop
+strings checked over the whole text (a resumed request's delivered text included: a stop string
+may span the seam), aborts, usage and timing.
+
+A chunk's ids and text always travel together: a token whose text is not complete yet (a partial
+UTF-8 character) or that may begin a stop string is held back with the ones after it, so the ids
+a client has received are exactly the text it has received (what `resume` relies on).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import msgspec
+
+from engined.engine import protocol as proto
+from engined.engine.backend import Admission, Backend, Delta, Event, Finished, RequestRejected
+
+MAX_PROMPT_TOKENS = 1 << 20
+
+
+@dataclass
+class _Active:
+    msg: proto.GenerateRequest
+    arrived_at: float
+    prompt_tokens: int  # the original prompt (resumed ids excluded)
+    resumed: int
+    text: str  # the resumed text, then everything generated
+    resume_len: int = 0  # characters of `text` that are the resumed text
+    started_at: float | None = None
+    batch_size: int = 0
+    ids: list[int] = field(default_factory=list)  # generated here (not the resumed ones)
+    sent_text: int = 0  # characters of `text` already delivered (starts after the resumed text)
+    held_ids: list[int] = field(default_factory=list)  # generated, not yet delivered
+    stopped: bool = False
+
+    @property
+    def stops(self) -> list[str]:
+        return self.msg.sampling.stop
+
+
+class RequestTable:
+    def __init__(self, backend: Backend, name: str, incarnation: int,
+                 send: Callable[[msgspec.Struct], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.backend = backend
+        self.name, self.incarnation = name, incarnation
+        self.send = send
+        self.clock = clock
+        self.active: dict[str, _Active] = {}
+        self.ok = 0
+        self.failed = 0
+        self.tokens = 0
+
+    # --- admission ---------------------------------------------------------------------------
+    def admit(self, msg: proto.GenerateRequest) -> None:
+        now = self.clock()
+        if msg.id in self.active:
+            self._reply(msg, error=f"request id {msg.id!r} is already running", rejected=True)
+            return
+        try:
+            prompt_ids = self._prompt_ids(msg)
+            sampling = msg.sampling
+            remaining = sampling.max_tokens - len(msg.resume)
+            if sampling.max_tokens < 1:
+                raise RequestRejected("max_tokens must be at least 1")
+            if remaining < 1:
+                raise RequestRejected(f"resume carries {len(msg.resume)} tokens: nothing left "
+                                      f"of max_tokens {sampling.max_tokens}")
+            if not 0 <= sampling.temperature <= 100 or not 0 < sampling.top_p <= 1:
+                raise RequestRejected("temperature must be in [0, 100] and top_p in (0, 1]")
+            resume_text = self.backend.detokenize(list(msg.resume)) if msg.resume else ""
+            entry = _Active(msg, now, len(prompt_ids), len(msg.resume), resume_text,
+                            resume_len=len(resume_text), sent_text=len(resume_text))
+            self.backend.add(Admission(msg.id, prompt_ids + list(msg.resume), remaining,
+                                       sampling, resumed=len(msg.resume)))
+        except RequestRejected as exc:
+            self._reply(msg, error=str(exc), rejected=True)
+            return
+        self.active[msg.id] = entry
+
+    def _prompt_ids(self, msg: proto.GenerateRequest) -> list[int]:
+        if msg.messages is not None:
+            if not msg.messages:
+                raise RequestRejected("messages must not be empty")
+            ids = self.backend.apply_chat_template(list(msg.messages))
+        elif msg.prompt_ids is not None:
+            ids = list(msg.prompt_ids)
+        else:
+            if not msg.prompt:
+                raise RequestRejected("empty prompt")
+            ids = self.backend.tokenize(msg.prompt)
+        if len(ids) > MAX_PROMPT_TOKENS:
+            raise RequestRejected(f"prompt of {len(ids)} tokens exceeds {MAX_PROMPT_TOKENS}")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """The daemon gave up on it (its client went away): nothing more is sent for it."""
+        if self.active.pop(request_id, None) is not None:
+            self.backend.abort(request_id)
+
+    def started(self) -> None:
+        """A step begins: the requests in it start their compute clock."""
+        now, running = self.clock(), len(self.active)
+        for entry in self.active.values():
+            if entry.started_at is None:
+                entry.started_at, entry.batch_size = now, running
+
+    # --- events ------------------------------------------------------------------------------
+    def on_event(self, event: Event) -> None:
+        entry = self.active.get(event.id)
+        if entry is None or entry.stopped:
+            return  # aborted, or already ended by a stop string
+        if isinstance(event, Delta):
+            self._on_delta(entry, event)
+        elif isinstance(event, Finished):
+            if event.reason == proto.FINISH_ERROR:
+                self.active.pop(entry.msg.id, None)
+                self._reply(entry.msg, error=event.error or "the engine failed this request")
+                self.failed += 1
+                return
+            self._finish(entry, event.reason)
+
+    def _on_delta(self, entry: _Active, delta: Delta) -> None:
+        self.tokens += len(delta.token_ids)
+        entry.ids.extend(delta.token_ids)
+        entry.held_ids.extend(delta.token_ids)
+        # from where a stop string could begin that ends in the new text (one may begin in the
+        # resumed text: the seam)
+        checked_from = max(0, len(entry.text) - _longest(entry.stops) + 1)
+        entry.text += delta.text
+        cut = _find_stop(entry.text, entry.stops, checked_from)
+        if cut is not None:
+            entry.text = entry.text[:cut]
+            entry.stopped = True
+            self.backend.abort(entry.msg.id)
+            self._finish(entry, proto.FINISH_STOP)
+            return
+        if entry.msg.stream and delta.text and not _may_begin_stop(entry.text, entry.stops):
+            self._chunk(entry)
+
+    def _chunk(self, entry: _Active) -> None:
+        text = entry.text[entry.sent_text:]
+        self.send(proto.TokenChunk(entry.msg.id, self.name, self.incarnation, entry.held_ids,
+                                   text))
+        entry.held_ids, entry.sent_text = [], len(entry.text)
+
+    def _finish(self, entry: _Active, reason: str) -> None:
+        self.active.pop(entry.msg.id, None)
+        now = self.clock()
+        started = entry.started_at if entry.started_at is not None else now
+        stream = entry.msg.stream
+        # streamed: what the chunks did not carry yet; else the whole generated text
+        text = entry.text[entry.sent_text:] if stream else entry.text[entry.resume_len:]
+        self._reply(entry.msg, text=text, token_ids=entry.held_ids if stream else entry.ids,
+                    finish_reason=reason,
+                    prompt_tokens=entry.prompt_tokens,
+                    completion_tokens=entry.resumed + len(entry.ids),
+                    batch_size=entry.batch_size, queue_s=started - entry.arrived_at,
+                    compute_s=now - started)
+        self.ok += 1
+
+    def fail_all(self, error: str) -> None:
+        """The engine is stopping: every request still here gets an error result."""
+        for entry in list(self.active.values()):
+            self.backend.abort(entry.msg.id)
+            self._reply(entry.msg, error=error, finish_reason=proto.FINISH_ERROR)
+            self.failed += 1
+        self.active.clear()
+
+    def _reply(self, msg: proto.GenerateRequest, **fields: object) -> None:
+        if fields.get("error") is not None:
+            fields.setdefault("finish_reason", proto.FINISH_ERROR)
+        self.send(proto.GenerateResult(id=msg.id, engine=self.name,
+                                       incarnation=self.incarnation, **fields))  # type: ignore
+
+
+def _longest(stops: list[str]) -> int:
+    return max((len(s) for s in stops), default=0)
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Where the earliest stop string begins in text[start:], or None."""
+    found = [i for i in (text.find(s, max(0, start)) for s in stops if s) if i >= 0]
+    return min(found) if found else None
+
+
+def _may_begin_stop(text: str, stops: list[str]) -> bool:
+    """Whether the end of `text` is a proper prefix of a stop string (hold it back: the next
+    token may complete the stop)."""
+    return any(text.endswith(s[:k]) for s in stops for k in range(1, len(s)))

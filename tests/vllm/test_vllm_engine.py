@@ -1,0 +1,365 @@
+"""End to end: real vLLM (its CPU build) inside engine children of a real daemon.
+
+The daemon runs in the dev venv; its engines run under the vLLM venv's interpreter (`python:`,
+see conftest.py) with `backend: vllm`: vLLM's LLMEngine in-process, continuous batching. Each
+vLLM start costs seconds (import, config, weights), so the read-only checks and the crash checks
+share one module-scoped fleet of two replicas built from etc/examples/vllm-cpu.yaml's engine
+(each crash test waits for its own replica to come back); the fleet's last test stops the daemon
+itself and checks every child's cleanup. Bad engine_args get a daemon of their own. Every wait
+is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+import yaml
+from driver import ORPHAN_GRACE_S, REPO_ROOT, Daemon, build_spec, process_gone, wait_engines_gone
+
+pytestmark = pytest.mark.vllm
+
+READY_TIMEOUT_S = 180.0  # two vLLM imports + builds sharing a small CPU box
+FAILED_TIMEOUT_S = 120.0
+REQUEST_TIMEOUT_S = 120.0
+STALL_TIMEOUT_S = 3.0
+HEARTBEAT_TIMEOUT_S = 5.0
+CPU_EXAMPLE = REPO_ROOT / "etc" / "examples" / "vllm-cpu.yaml"
+TINY_CHAT_PROMPT = "<|user|>\nhi\n<|assistant|>\n"  # engine/llm.py's template, byte-level ids
+
+SUPERVISOR = {"heartbeat_interval": "0.2s", "heartbeat_timeout": f"{HEARTBEAT_TIMEOUT_S:g}s"}
+# Every restart immediate (a restart loop would show at once, and the tier stays short).
+DEFAULTS = {"backoff": {"initial": "0s", "max": "0s", "jitter": 0, "reset_after": "0s"},
+            "start_limit": {"burst": 20, "interval": "300s"}}
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB per engine (vLLM's CPU default is far more)
+
+
+def vllm_engine(name: str, python: str, cache: Path, **extra: Any) -> dict[str, Any]:
+    """The example's engine (backend, engine_args, env), made small for a 2-core box."""
+    (example,) = yaml.safe_load(CPU_EXAMPLE.read_text())["engines"]
+    env = {**example.get("env", {}), **VLLM_ENV, "ENGINED_CACHE_DIR": str(cache),
+           **extra.pop("env", {})}
+    return {**example, "name": name, "python": python, "threads": 1, "max_batch_size": 8,
+            "env": env, **extra}
+
+
+@contextlib.contextmanager
+def running_daemon(engines: list[dict[str, Any]]) -> Iterator[Daemon]:
+    """A daemon outside the function-scoped `engined` fixture, with its teardown checks: a clean
+    exit on SIGTERM (or already stopped cleanly by the test) and no engine process left."""
+    root = Path(tempfile.mkdtemp(prefix="egv", dir="/tmp"))
+    daemon = Daemon(root, build_spec(root, engines, SUPERVISOR, DEFAULTS))
+    try:
+        daemon.start()
+        yield daemon
+        if daemon.alive():
+            daemon.spawned_pids()
+            with contextlib.suppress(Exception):
+                daemon.status()
+        code = daemon.stop()
+        alive = wait_engines_gone(daemon.spawned_pids(), daemon.pid, ORPHAN_GRACE_S)
+        assert code == 0, f"engined did not exit cleanly on SIGTERM (exit {code})"
+        assert not alive, f"engine processes outlived engined: {alive}"
+    finally:
+        if daemon.alive():
+            daemon.stop()
+        if daemon.proc is not None:
+            for pid in wait_engines_gone(daemon.spawned_pids(), daemon.pid, 0):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        daemon.dump()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_python: str, tiny_cache: Path) -> Iterator[Daemon]:
+    """vllm-0 and vllm-1: builtin:tiny-llama on vLLM, fault injection on (`!stall`), a short
+    stall_timeout."""
+    engine = vllm_engine("vllm", vllm_python, tiny_cache, replicas=2,
+                         stall_timeout=f"{STALL_TIMEOUT_S:g}s",
+                         env={"ENGINED_FAULT_INJECTION": "1"})
+    with running_daemon([engine]) as daemon:
+        daemon.wait_all_ready(READY_TIMEOUT_S)
+        yield daemon
+
+
+@pytest.fixture
+def ready_fleet(fleet: Daemon) -> Daemon:
+    assert fleet.alive(), "the shared fleet's daemon is gone (an earlier test stopped it)"
+    fleet.wait_all_ready(READY_TIMEOUT_S)
+    return fleet
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _post(d: Daemon, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    code, _, raw = d.http("POST", "/v1/generate", json.dumps(body).encode(),
+                          {"Content-Type": "application/json"})
+    return code, json.loads(raw)
+
+
+async def _stream_many(sock: str, prompts: list[str], max_tokens: int,
+                       engine: str) -> list[list[tuple[float, dict[str, Any]]]]:
+    """Streamed POST /v1/generate for every prompt at once; each line with its arrival time."""
+    connector = aiohttp.UnixConnector(path=sock)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async def one(prompt: str) -> list[tuple[float, dict[str, Any]]]:
+            body = {"prompt": prompt, "max_tokens": max_tokens, "engine": engine,
+                    "stream": True}
+            lines = []
+            async with session.post("http://engined/v1/generate", json=body) as resp:
+                assert resp.status == 200, (resp.status, await resp.text())
+                async for raw in resp.content:
+                    if raw.strip():
+                        lines.append((time.monotonic(), json.loads(raw)))
+            return lines
+        return list(await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)),
+                                           REQUEST_TIMEOUT_S))
+
+
+def _cleanup_line(log: str, name: str, incarnation: int) -> str:
+    match = re.search(rf"^\[cleanup\] {name} incarnation {incarnation} reason=.*$", log, re.M)
+    assert match, log[-4000:]
+    return match.group(0)
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+# --- the shared fleet: READY, serving, batching -------------------------------------------------
+
+
+def test_ready_with_device_model_and_load_time(ready_fleet: Daemon, vllm_python: str):
+    d = ready_fleet
+    for name in ("vllm-0", "vllm-1"):
+        e = d.engine(name)
+        assert e["state"] == "READY" and e["pid"], e
+        assert e["device"] == "cpu", e  # from the engine's READY
+        assert e["model"] == "builtin:tiny-llama", e
+        assert e["dtype"], e  # vLLM's resolved dtype ("auto" on a CPU: bfloat16 or float32)
+        assert e["startup_s"] > 0, e
+        assert e["last_exit"] is None and e["incarnation"] == 1, e
+        proc = psutil.Process(e["pid"])
+        assert proc.cmdline()[:3] == [vllm_python, "-m", "engined.engine"], proc.cmdline()
+        assert proc.children() == [], proc.children()  # vLLM in-process: no EngineCore/workers
+        log = d.log_text(name)
+        for phase in ("import", "weights", "warmup"):
+            assert f"[load] {name} {phase}" in log, log[-3000:]
+        assert re.search(rf"^\[ready\] {name} incarnation 1 loaded in [\d.]+s on cpu$", log,
+                         re.M), log[-3000:]
+        # vLLM's INFO logging and tqdm bars stay out of the engine's log
+        assert not re.search(r"^\(\w+ pid=\d+\) INFO ", log, re.M), log[-3000:]
+        assert "it/s]" not in log, log[-3000:]
+
+
+def test_generates_completions_chats_stops_and_rejects(ready_fleet: Daemon):
+    d = ready_fleet
+    code, first = _post(d, {"prompt": "hello world", "max_tokens": 24, "engine": "vllm-0"})
+    assert code == 200, first
+    assert first["engine"] == "vllm-0" and first["prompt_tokens"] == len("hello world"), first
+    assert first["finish_reason"] in ("stop", "length"), first
+    text = first["text"]
+    assert len(text) >= 8 and first["completion_tokens"] <= 24, first
+    # greedy: the same again, on the other replica (same weights, same vLLM)
+    code, again = _post(d, {"prompt": "hello world", "max_tokens": 24, "engine": "vllm-1"})
+    assert code == 200 and again["text"] == text, (first, again)
+
+    # a stop string: the core ends the request (and aborts it in vLLM) before the stop text
+    stop = text[6:8]
+    code, stopped = _post(d, {"prompt": "hello world", "max_tokens": 24, "engine": "vllm-0",
+                              "stop": stop})
+    assert code == 200, stopped
+    assert stopped["text"] == text[:text.index(stop)], (stop, text, stopped)
+    assert stopped["finish_reason"] == "stop", stopped
+
+    # a chat through the tokenizer's chat template
+    code, chat = _post(d, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                           "engine": "vllm-1"})
+    assert code == 200, chat
+    assert chat["prompt_tokens"] == len(TINY_CHAT_PROMPT.encode()), chat
+    assert 0 < chat["completion_tokens"] <= 4, chat
+
+    # vLLM's own validation: a prompt longer than max_model_len (1024) is the client's error
+    code, rejected = _post(d, {"prompt": "a" * 1500, "max_tokens": 4, "engine": "vllm-0"})
+    assert code == 400, rejected
+    assert "vllm-0" in rejected["error"] and "maximum context length is 1024" in \
+        rejected["error"], rejected
+    assert d.engine("vllm-0")["incarnation"] == 1  # a rejection is no crash
+
+
+def test_concurrent_streams_batch_continuously(ready_fleet: Daemon):
+    d = ready_fleet
+    max_tokens = 200
+    prompts = [f"prompt number {i}" for i in range(8)]
+    results = asyncio.run(_stream_many(d.socket, prompts, max_tokens, "vllm-0"))
+    first_token_at, done_at, spans = [], [], []
+    for lines in results:
+        *chunks, (end_at, done) = lines
+        assert done.get("done") is True, lines[-3:]
+        assert done["engine"] == "vllm-0", done
+        assert done["finish_reason"] in ("stop", "length"), done
+        streamed = [i for _, c in chunks for i in c["token_ids"]] + done["token_ids"]
+        assert len(streamed) == done["completion_tokens"] > 0, done
+        assert "".join(c["text"] for _, c in chunks) + done["text"]
+        # streaming: tokens arrive as they come, many lines before the request ends
+        assert len(chunks) >= min(10, done["completion_tokens"] // 2), (len(chunks), done)
+        assert chunks[0][0] < end_at, "the first token came with the end"
+        first_token_at.append(chunks[0][0])
+        done_at.append(end_at)
+        spans.append((chunks[0][0], chunks[-1][0]))
+    # continuous batching: every request was generating before any of them had finished
+    assert max(first_token_at) < min(done_at), (first_token_at, done_at)
+    overlap = min(end for _, end in spans) - max(start for start, _ in spans)
+    assert overlap > 0, spans  # all eight token-arrival spans overlap in time
+    assert max(r[-1][1]["batch_size"] for r in results) > 1, [r[-1][1] for r in results]
+
+
+def test_enginectl_stream_prints_what_generate_returns(ready_fleet: Daemon):
+    d = ready_fleet
+    args = ("--engine", "vllm-1", "--max-tokens", "32", "tell me something")
+    whole = d.ctl("generate", *args)
+    streamed = d.ctl("generate", "--stream", *args)
+    assert whole.returncode == 0 and streamed.returncode == 0, (whole, streamed)
+    assert streamed.stdout == whole.stdout and whole.stdout.strip(), (whole, streamed)
+
+
+# --- the shared fleet: one replica at a time fails and comes back -------------------------------
+
+
+def test_sigkill_restarts_with_a_new_pid(ready_fleet: Daemon):
+    d = ready_fleet
+    old = d.engine("vllm-1")
+    os.kill(old["pid"], signal.SIGKILL)
+    new = d.wait_restarted("vllm-1", old["pid"], READY_TIMEOUT_S)
+    assert process_gone(old["pid"])
+    assert new["incarnation"] == old["incarnation"] + 1, new
+    assert new["last_exit"]["signal"] == "SIGKILL", new["last_exit"]
+    assert new["device"] == "cpu" and new["startup_s"] > 0, new
+    code, body = _post(d, {"prompt": "hello again", "max_tokens": 8, "engine": "vllm-1"})
+    assert code == 200 and body["text"], body
+
+
+def test_sigstop_is_a_hang_and_restarts(ready_fleet: Daemon):
+    d = ready_fleet
+    d.wait_state("vllm-0", "READY", where=lambda e: e["heartbeat_age_s"] is not None)
+    old = d.engine("vllm-0")
+    stopped_at = time.time()
+    os.kill(old["pid"], signal.SIGSTOP)
+    try:
+        new = d.wait_restarted("vllm-0", old["pid"], READY_TIMEOUT_S)
+    finally:
+        if not process_gone(old["pid"]):
+            os.kill(old["pid"], signal.SIGKILL)
+    last = new["last_exit"]
+    assert last["reason"] == "hang" and last["signal"] == "SIGKILL", last
+    assert last["at"] - stopped_at < HEARTBEAT_TIMEOUT_S + 3.0, (last, stopped_at)
+    assert process_gone(old["pid"])
+    assert new["incarnation"] == old["incarnation"] + 1, new
+    code, body = _post(d, {"prompt": "awake", "max_tokens": 8, "engine": "vllm-0"})
+    assert code == 200 and body["text"], body
+
+
+def test_frozen_busy_loop_is_a_stall_and_restarts(ready_fleet: Daemon):
+    d = ready_fleet
+    old = d.engine("vllm-1")
+    sent_at = time.time()
+    # `!stall` (ENGINED_FAULT_INJECTION=1) wedges the core's loop with the request queued in
+    # vLLM; the heartbeat thread goes on, so this is a stall, not a hang.
+    gen = d.ctl_popen("generate", "--engine", "vllm-1", "--max-tokens", "8", "!stall now",
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        def wedged() -> dict[str, Any] | None:
+            e = d.engine("vllm-1")
+            queued = e["queue"] and e["queue"]["running"] + e["queue"]["waiting"]
+            return e if queued and e["pid"] == old["pid"] else None
+
+        busy = d.wait_for(wedged, STALL_TIMEOUT_S + 2, "vllm-1 busy with the wedged request")
+        assert busy["heartbeat_age_s"] < 1.0, busy  # alive: heartbeats go on while wedged
+        new = d.wait_restarted("vllm-1", old["pid"], READY_TIMEOUT_S)
+        out, err = gen.communicate(timeout=60)
+    finally:
+        if gen.poll() is None:
+            gen.kill()
+            gen.wait()
+    assert gen.returncode == 1 and "vllm-1" in err, (out, err)
+    last = new["last_exit"]
+    assert last["reason"] == "stall" and last["signal"] == "SIGKILL", last
+    assert last["at"] - sent_at >= STALL_TIMEOUT_S - 0.5, (last, sent_at)
+    assert new["incarnation"] == old["incarnation"] + 1, new
+    code, body = _post(d, {"prompt": "unstuck", "max_tokens": 8, "engine": "vllm-1"})
+    assert code == 200 and body["text"], body
+
+
+# --- bad engine_args: exit 78 with vLLM's words, FAILED at once ---------------------------------
+
+
+def test_bad_engine_args_fail_at_once_with_exit_78(engined, vllm_python: str, tiny_cache: Path):
+    cases = {
+        "badlen": ({"max_model_len": 0}, "max_model_len must be a positive integer"),
+        "badarg": ({"no_such_arg": 1}, "unexpected keyword argument 'no_such_arg'"),
+    }
+    engines = [vllm_engine(name, vllm_python, tiny_cache, engine_args=args)
+               for name, (args, _) in cases.items()]
+    d = engined(engines, supervisor=SUPERVISOR, defaults=DEFAULTS, ready=False)
+    for name in cases:
+        d.wait_state(f"{name}-0", "FAILED", FAILED_TIMEOUT_S)
+    d.holds(lambda: all(d.engine(f"{n}-0")["incarnation"] == 1 for n in cases), 1.0,
+            "a single spawn each")
+    for name, (_, message) in cases.items():
+        failed = d.engine(f"{name}-0")
+        assert failed["pid"] is None and failed["restarts"] == 0, failed
+        last = failed["last_exit"]
+        assert last["code"] == 78 and last["signal"] is None, last
+        assert failed["fail_reason"].startswith("exit 78: "), failed
+        assert "vLLM rejected" in failed["fail_reason"], failed
+        assert message in failed["fail_reason"], failed
+        assert d.log_text(f"{name}-0").count("spawned pid") == 1
+
+
+# --- the shared fleet's end: the daemon's SIGTERM cleans every vLLM child up --------------------
+
+
+def test_daemon_sigterm_runs_every_vllm_cleanup_and_leaves_nothing(ready_fleet: Daemon):
+    """Last in the module: it stops the shared fleet's daemon."""
+    d = ready_fleet
+    engines = d.engines()
+    daemon = psutil.Process(d.pid)
+    guard = [p.pid for p in daemon.children()
+             if "engined.supervisor.guard" in " ".join(p.cmdline())]
+    assert len(guard) == 1, daemon.children()
+    processes = {pid for e in engines.values() for pid in (e["pid"], *_descendants(e["pid"]))}
+    processes |= {*guard, *_descendants(guard[0])}
+    d.spawned_pids()
+    d.signal(signal.SIGTERM)
+    assert d.wait_exit(60) == 0, d.stderr_text()[-3000:]
+    deadline = time.monotonic() + ORPHAN_GRACE_S  # d.wait_for refuses an exited daemon
+    while (left := sorted(p for p in processes if not process_gone(p))) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"still running after the daemon's exit: {left}"
+    assert wait_engines_gone(d.spawned_pids(), d.pid, ORPHAN_GRACE_S) == []
+    for name, e in engines.items():
+        line = _cleanup_line(d.log_text(name), name, e["incarnation"])
+        assert "reason=signal SIGTERM" in line, line
+        assert "model_freed=1" in line and "vllm_shutdown_s=" in line, line
+        assert "vllm_shutdown_failed" not in line, line
