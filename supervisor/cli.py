@@ -252,6 +252,8 @@ def format_action_result(result: Mapping[str, Any]) -> str:
 def cmd_action(client: Client, args: argparse.Namespace) -> int:
     """restart / stop / start: one request per NAME; a 404 for one does not skip the others."""
     body = {"wait": not args.no_wait, "timeout_s": args.timeout}
+    if getattr(args, "all_at_once", False):
+        body["all_at_once"] = True
     http_timeout_s = args.timeout + WAIT_MARGIN_S
     failed = False
     for name in dict.fromkeys(args.names):  # de-duplicate, keep order
@@ -309,13 +311,52 @@ def cmd_logs(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_generate(client: Client, args: argparse.Namespace) -> int:
-    body = {"prompt": " ".join(args.prompt), "max_tokens": args.max_tokens, "engine": args.engine}
-    data = client.call("POST", "/v1/generate", body, timeout_s=args.timeout)
+    body: dict[str, Any] = {"prompt": " ".join(args.prompt), "max_tokens": args.max_tokens,
+                            "engine": args.engine, "temperature": args.temperature,
+                            "timeout_s": args.timeout}
+    if args.seed is not None:
+        body["seed"] = args.seed
+    if args.stop:
+        body["stop"] = args.stop
+    if args.stream:
+        return _generate_stream(client, body, args)
+    data = client.call("POST", "/v1/generate", body, timeout_s=args.timeout + WAIT_MARGIN_S)
     if args.json:
         _print_json(data)
     else:
         print(data.get("text", ""))
     return EXIT_OK
+
+
+def _generate_stream(client: Client, body: dict[str, Any], args: argparse.Namespace) -> int:
+    """Print tokens as they come (the daemon's NDJSON lines); `--json` prints the lines."""
+    resp = client.open("POST", "/v1/generate", {**body, "stream": True},
+                       timeout_s=args.timeout + WAIT_MARGIN_S)
+    out = sys.stdout
+    try:
+        while True:
+            with client.transport_errors():
+                line = resp.readline()
+            if not line:
+                raise CtlError("the stream ended without a result (engined went away?)")
+            event = json.loads(line)
+            if args.json:
+                out.write(line.decode())
+            elif "error" in event:
+                out.write("\n")
+                out.flush()
+                raise CtlError(str(event["error"]))
+            else:
+                out.write(event.get("text", ""))
+            out.flush()
+            if event.get("done"):
+                if not args.json:
+                    out.write("\n")
+                return EXIT_OK
+            if "error" in event:
+                return EXIT_FAILED
+    finally:
+        resp.close()
 
 
 # --- argument parsing -------------------------------------------------------------------------
@@ -355,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(action, parents=[common], help=f"{action} engines")
         p.add_argument("names", nargs="+", metavar="NAME", help="replica, group or 'all'")
         p.add_argument("--no-wait", action="store_true", help="return without waiting")
+        if action == "restart":
+            p.add_argument("--all-at-once", action="store_true",
+                           help="restart every replica of a group together (no rollout)")
         p.add_argument("--timeout", type=_positive_float, default=DEFAULT_ACTION_TIMEOUT_S,
                        metavar="S", help="seconds to wait (default %(default)s)")
         p.set_defaults(func=cmd_action)
@@ -372,6 +416,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="+", metavar="PROMPT")
     p.add_argument("--engine", metavar="NAME", default=None)
     p.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 (the default) is greedy")
+    p.add_argument("--seed", type=int, default=None, metavar="N")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop before this text (repeatable)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they come")
     p.add_argument("--timeout", type=_positive_float, default=DEFAULT_GENERATE_TIMEOUT_S,
                    metavar="S")
     p.add_argument("--json", action="store_true", help="print the API's JSON")

@@ -14,10 +14,12 @@ import os
 import socket
 import struct
 import time
+import uuid
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from engined.engine import protocol as proto
 from engined.supervisor import __version__
 from engined.supervisor.fleet import Fleet, NoEngineReady, UnknownEngine
 from engined.supervisor.ipc import EngineChannels, RequestFailed
@@ -110,6 +112,74 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def _result_fields(result: proto.GenerateResult) -> dict[str, Any]:
+    return {"engine": result.engine, "finish_reason": result.finish_reason,
+            "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "batch_size": result.batch_size, "queue_s": result.queue_s,
+            "compute_s": result.compute_s}
+
+
+async def _write_line(response: web.StreamResponse, data: dict[str, Any]) -> bool:
+    """False if the client went away."""
+    try:
+        await response.write(json.dumps(data).encode() + b"\n")
+    except (ConnectionResetError, RuntimeError):
+        return False
+    return True
+
+
+def generate_request(body: dict[str, Any]) -> proto.GenerateRequest:
+    """`POST /v1/generate`'s body as the engine protocol's request; HTTPBadRequest names what is
+    wrong. `prompt` (text) or `messages` (a chat), max_tokens, temperature (0: greedy, the
+    default), top_p, seed, stop (a string or a list), stream."""
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if prompt is not None and messages is not None:
+        raise web.HTTPBadRequest(reason="give either 'prompt' or 'messages' (a chat), not both")
+    chat = None
+    if messages is None:
+        _check_text(prompt, "prompt")
+    else:
+        if not isinstance(messages, list) or not messages or len(messages) > 256:
+            raise web.HTTPBadRequest(reason="'messages' must be a non-empty list (at most 256)")
+        chat = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or set(m) != {"role", "content"} \
+                    or m["role"] not in ("system", "user", "assistant"):
+                raise web.HTTPBadRequest(reason=f"'messages[{i}]' must be {{role: system|user|"
+                                                f"assistant, content: TEXT}}")
+            _check_text(m["content"], f"messages[{i}].content", empty_ok=True)
+            chat.append(proto.ChatMessage(m["role"], m["content"]))
+    stop = body.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 8 or not all(
+            isinstance(x, str) and 0 < len(x) <= 256 and _is_unicode(x) for x in stop):
+        raise web.HTTPBadRequest(reason="'stop' must be a string or a list of at most 8 "
+                                        "non-empty strings")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not 0 <= seed < 2**63):
+        raise web.HTTPBadRequest(reason="'seed' must be a non-negative integer or null")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise web.HTTPBadRequest(reason="'stream' must be true or false")
+    sampling = proto.Sampling(max_tokens=int(_number(body, "max_tokens", 64, 1, 65536)),
+                              temperature=_number(body, "temperature", 0.0, 0, 2),
+                              top_p=_number(body, "top_p", 1.0, 1e-9, 1), seed=seed, stop=stop)
+    return proto.GenerateRequest(uuid.uuid4().hex, prompt=prompt or "", messages=chat,
+                                 sampling=sampling, stream=stream)
+
+
+def _check_text(value: Any, name: str, empty_ok: bool = False) -> None:
+    if not isinstance(value, str) or (not value and not empty_ok) \
+            or len(value) > MAX_PROMPT_CHARS:
+        raise web.HTTPBadRequest(reason=f"'{name}' must be a {'' if empty_ok else 'non-empty '}"
+                                        f"string of at most {MAX_PROMPT_CHARS} characters")
+    if not _is_unicode(value):
+        raise web.HTTPBadRequest(reason=f"'{name}' must be valid Unicode (JSON allows lone "
+                                        "surrogate escapes such as \\ud800; text cannot hold "
+                                        "them)")
+
+
 def _is_unicode(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -149,13 +219,16 @@ class _Routes:
         if not isinstance(wait, bool):
             raise web.HTTPBadRequest(reason="'wait' must be true or false")
         timeout_s = _number(body, "timeout_s", DEFAULT_WAIT_S, 0, 86400)
+        all_at_once = body.get("all_at_once", False)
+        if not isinstance(all_at_once, bool):
+            raise web.HTTPBadRequest(reason="'all_at_once' must be true or false")
         fleet = self.ctx.fleet
         try:
             affected = fleet.affected(request.match_info["name"])
         except UnknownEngine as exc:
             return _error(404, str(exc))
         before = {r.name: r.view() for r in affected}
-        fleet.command(action, request.match_info["name"])
+        fleet.command(action, request.match_info["name"], all_at_once=all_at_once)
         results = await asyncio.gather(*(_settle(r, action, before[r.name], wait, timeout_s)
                                          for r in affected))
         return web.json_response({"engines": results})
@@ -177,32 +250,72 @@ class _Routes:
             return web.Response(text=head, content_type="text/plain")
         return await _follow(request, replica, head)
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
-        prompt, engine = body.get("prompt"), body.get("engine")
-        if not isinstance(prompt, str) or not prompt or len(prompt) > MAX_PROMPT_CHARS:
-            return _error(400, f"'prompt' must be a non-empty string of at most "
-                               f"{MAX_PROMPT_CHARS} characters")
-        if not _is_unicode(prompt):
-            return _error(400, "'prompt' must be valid Unicode (JSON allows lone surrogate "
-                               "escapes such as \\ud800; text cannot hold them)")
+        engine = body.get("engine")
         if engine is not None and not isinstance(engine, str):
             return _error(400, "'engine' must be a string or null")
-        max_tokens = int(_number(body, "max_tokens", 64, 1, 4096))
+        gen = generate_request(body)  # raises HTTPBadRequest naming the field
         timeout_s = _number(body, "timeout_s", 300, 0.001, 3600)
         started = time.monotonic()
+        fleet, channels = self.ctx.fleet, self.ctx.channels
+        if gen.stream:
+            return await self._generate_stream(request, gen, engine, timeout_s, started)
         try:
-            result = await self.ctx.fleet.generate(self.ctx.channels, prompt, max_tokens,
-                                                   engine, timeout_s)
+            result = await fleet.generate(channels, gen, engine, timeout_s)
         except UnknownEngine as exc:
             return _error(404, str(exc))
         except (NoEngineReady, RequestFailed) as exc:
             return _error(503, str(exc))
-        return web.json_response({
-            "engine": result.engine, "text": result.text,
-            "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "batch_size": result.batch_size, "queue_s": result.queue_s,
-            "compute_s": result.compute_s, "total_s": time.monotonic() - started})
+        if result.error is not None:
+            return _error(400 if result.rejected else 503, f"{result.engine}: {result.error}")
+        return web.json_response({**_result_fields(result), "text": result.text,
+                                  "total_s": time.monotonic() - started})
+
+    async def _generate_stream(self, request: web.Request, gen: proto.GenerateRequest,
+                               engine: str | None, timeout_s: float,
+                               started: float) -> web.StreamResponse:
+        """NDJSON: one `{"text", "token_ids"}` line per chunk as tokens come, then a last line
+        with `"done": true` and usage (or `{"error": ...}`)."""
+        try:
+            replica, stream = self.ctx.fleet.open_request(self.ctx.channels, gen, engine)
+        except UnknownEngine as exc:
+            return _error(404, str(exc))
+        except (NoEngineReady, RequestFailed) as exc:
+            return _error(503, str(exc))
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        outcome = "error"
+        try:
+            await response.prepare(request)
+            deadline = started + timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                item = await asyncio.wait_for(stream.__anext__(), max(left, 0.001))
+                if isinstance(item, proto.TokenChunk):
+                    if not await _write_line(response, {"text": item.text,
+                                                        "token_ids": item.token_ids}):
+                        break  # the client went away: the stream's close aborts the request
+                    continue
+                if item.error is not None:
+                    await _write_line(response, {"error": f"{item.engine}: {item.error}"})
+                else:
+                    outcome = "ok"
+                    await _write_line(response, {**_result_fields(item), "done": True,
+                                                 "text": item.text, "token_ids": item.token_ids,
+                                                 "total_s": time.monotonic() - started})
+                break
+        except asyncio.TimeoutError:
+            outcome = "timeout"
+            await _write_line(response, {"error": f"{replica.name} did not finish within "
+                                                  f"{timeout_s:g}s"})
+        except RequestFailed as exc:
+            await _write_line(response, {"error": str(exc)})
+        except (ConnectionResetError, StopAsyncIteration):
+            outcome = "error"  # the client went away (the stream's close aborts the request)
+        finally:
+            stream.close()
+            replica.count_request(outcome)
+        return response
 
     async def reload(self, request: web.Request) -> web.Response:
         if self.ctx.reload is None:

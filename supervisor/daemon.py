@@ -25,13 +25,15 @@ from engined.supervisor import __version__
 from engined.supervisor.clock import SystemClock
 from engined.supervisor.control import ControlContext, make_app
 from engined.supervisor.fleet import Fleet
+from engined.supervisor.gateway.app import ApiKey, Gateway
+from engined.supervisor.gateway.router import Router
 from engined.supervisor.groups import Owner
 from engined.supervisor.http import MetricsEndpoint
 from engined.supervisor.ipc import EngineChannels
 from engined.supervisor.launcher import ChildWatcher, ExecLauncher, expose_engine_package
 from engined.supervisor.loop import LoopMonitor
 from engined.supervisor.reaper import Guard, Reaper, become_subreaper
-from engined.supervisor.reload import ReloadRejected, plan_reload
+from engined.supervisor.reload import LIVE_SUPERVISOR_KEYS, ReloadRejected, plan_reload
 from engined.supervisor.replica import Replica, ReplicaDeps
 from engined.supervisor.resources import FdBudget, raise_nofile_limit
 from engined.supervisor.runtime import (
@@ -53,6 +55,7 @@ DEFAULT_CONFIG = "/etc/engined/fleet.yaml"
 # Prometheus and probes; past it a connection is closed on accept (supervisor.webserver).
 MAX_CONTROL_CONNECTIONS = 256
 MAX_HTTP_CONNECTIONS = 64
+MAX_GATEWAY_CONNECTIONS = 1024  # clients of the OpenAI API (within the fd reserve)
 
 
 class DaemonCommand(enum.Enum):
@@ -81,6 +84,7 @@ class Daemon:
         self.reaper = Reaper(lambda: self.watcher.pids)
         self.guard = Guard(self.watcher)
         self._stopping = False
+        self.gateway: Gateway | None = None
         self.notifier = Notifier()
         self.runners: list[web.AppRunner] = []
         self._reload_lock = asyncio.Lock()
@@ -109,10 +113,12 @@ class Daemon:
             loop.add_signal_handler(sig, self.dispatch, DaemonCommand.SHUTDOWN)
         loop.add_signal_handler(signal.SIGHUP, self.dispatch, DaemonCommand.RELOAD)
         self.channels = EngineChannels(str(self.runtime_dir), self._on_message)
-        self.fleet = Fleet(self.spec, self._replica_factory(loop), self.clock)
+        self.fleet = Fleet(self.spec, self._replica_factory(loop), self.clock,
+                           in_flight=self.channels.in_flight)
         self.channels.start()
         self.monitor.start()
-        self.runners = [await self._serve_control(), *await self._serve_http()]
+        self.runners = [await self._serve_control(), *await self._serve_http(),
+                        *await self._serve_gateway()]
         self.fleet.start()
         self.notifier.ready(self._status_line())
         self._spawn_task(self.notifier.watchdog(self.monitor.healthy), "watchdog")
@@ -163,6 +169,8 @@ class Daemon:
 
     def _on_state(self, name: str, old: EngineState, new: EngineState) -> None:
         self.notifier.status(self._status_line())
+        if self.gateway is not None:
+            self.gateway.router.changed()
 
     def _replica_factory(self, loop: asyncio.AbstractEventLoop
                          ) -> Callable[[EngineSpec, Owner], Replica]:
@@ -206,7 +214,8 @@ class Daemon:
         address = self.spec.supervisor.http
         if address is None:
             return []
-        endpoint = MetricsEndpoint(self.fleet, self.channels, self.sampler, self.monitor)
+        endpoint = MetricsEndpoint(self.fleet, self.channels, self.sampler, self.monitor,
+                                   lambda: self.gateway)
         runner = make_runner(endpoint.make_app(), MAX_HTTP_CONNECTIONS, self.budget.may_accept)
         await runner.setup()
         try:
@@ -216,6 +225,30 @@ class Daemon:
             raise RuntimeError_(f"cannot serve HTTP on {address[0]}:{address[1]} "
                                 f"(supervisor.http): {exc.strerror or exc}") from None
         log.info("[http] serving /metrics /health /livez /readyz on %s:%d", *address)
+        return [runner]
+
+    async def _serve_gateway(self) -> list[web.AppRunner]:
+        """The OpenAI-compatible API; off unless `supervisor.gateway` names an address."""
+        assert self.fleet is not None and self.channels is not None
+        address = self.spec.supervisor.gateway
+        if address is None:
+            return []
+        router = Router(self.fleet, self.spec.supervisor.heartbeat_interval_s,
+                        self.clock.monotonic)
+        self.gateway = Gateway(router, self.channels, ApiKey(self.spec.supervisor.api_key_file),
+                               self.clock.monotonic)
+        runner = make_runner(self.gateway.make_app(), MAX_GATEWAY_CONNECTIONS,
+                             self.budget.may_accept)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, address[0], address[1], reuse_address=True).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise RuntimeError_(f"cannot serve the gateway on {address[0]}:{address[1]} "
+                                f"(supervisor.gateway): {exc.strerror or exc}") from None
+        log.info("[gateway] serving the OpenAI API (/v1/completions, /v1/chat/completions, "
+                 "/v1/models) on %s:%d%s", *address,
+                 " (bearer token required)" if self.spec.supervisor.api_key_file else "")
         return [runner]
 
     async def _command_loop(self) -> None:
@@ -243,7 +276,11 @@ class Daemon:
             plan = plan_reload(self.spec, new)
             # Supervisor-level keys are not applied live: keep the running ones, so the
             # difference is reported again until engined is restarted.
-            self.spec = dataclasses.replace(new, supervisor=self.spec.supervisor)
+            live = {key: getattr(new.supervisor, key) for key in LIVE_SUPERVISOR_KEYS}
+            self.spec = dataclasses.replace(
+                new, supervisor=dataclasses.replace(self.spec.supervisor, **live))
+            if self.gateway is not None:
+                self.gateway.api_key.reload(self.spec.supervisor.api_key_file)
             self.fleet.apply(self.spec, plan)
             self.control.generation += 1
             summary = plan.summary()
@@ -263,6 +300,13 @@ class Daemon:
         started = time.monotonic()
         second_signal = asyncio.ensure_future(self._second_shutdown_signal())
         try:
+            if self.gateway is not None:  # drain: accept nothing new, finish what runs
+                self.gateway.router.closing = True
+                budget = max((r.spec.stop_timeout_s for r in self.fleet.replicas.values()),
+                             default=0.0)
+                if not await self.gateway.drained(budget):
+                    log.warning("[shutdown] %d gateway request(s) still running after %.0fs",
+                                self.gateway.active, budget)
             await self.fleet.shutdown()
         finally:
             second_signal.cancel()

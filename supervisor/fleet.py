@@ -4,6 +4,7 @@ commands, reload, shutdown, and the read-only view everything else reports from.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 from typing import Callable
@@ -11,10 +12,11 @@ from typing import Callable
 from engined.engine import protocol as proto
 from engined.supervisor.clock import Clock
 from engined.supervisor.groups import Gang, Owner, ReplicaGroup
-from engined.supervisor.ipc import EngineChannels, RequestFailed, RequestTimeout
+from engined.supervisor.ipc import EngineChannels, RequestFailed, RequestStream, RequestTimeout
 from engined.supervisor.policy import Reason
 from engined.supervisor.reload import ReloadPlan
 from engined.supervisor.replica import Replica
+from engined.supervisor.rollout import roll
 from engined.supervisor.spec import EngineSpec, FleetSpec
 from engined.supervisor.state import EngineState
 from engined.supervisor.view import FleetView
@@ -42,8 +44,11 @@ class NoEngineReady(Exception):
 
 class Fleet:
     def __init__(self, spec: FleetSpec, make_replica: MakeReplica, clock: Clock,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None,
+                 in_flight: Callable[[str], int] = lambda name: 0) -> None:
         self.spec = spec
+        self.in_flight = in_flight  # requests on a replica now (a rollout drains them)
+        self._rollouts: dict[str, asyncio.Task[None]] = {}
         self.make_replica = make_replica
         self.clock = clock
         self.rng = rng or random.Random()
@@ -84,8 +89,11 @@ class Fleet:
                 out[member.name] = member
         return list(out.values())
 
-    def command(self, action: str, name: str) -> list[Replica]:
-        """start/stop/restart a replica, a group or `all`; returns every replica affected."""
+    def command(self, action: str, name: str, all_at_once: bool = False) -> list[Replica]:
+        """start/stop/restart a replica, a group or `all`; returns every replica affected.
+
+        A restart of a plain group's replicas rolls (rollout: max_unavailable, max_surge) unless
+        `all_at_once`; a data-parallel gang always restarts as a whole."""
         if action not in ACTIONS:
             raise ValueError(f"unknown action {action!r}")
         replicas = self.affected(name)
@@ -93,8 +101,49 @@ class Fleet:
         for replica in replicas:
             by_group.setdefault(replica.spec.group, []).append(replica)
         for group, members in by_group.items():
-            getattr(self.groups[group], action)(members)
+            owner = self.groups[group]
+            if action != "restart" or all_at_once or isinstance(owner, Gang):
+                self._cancel_rollout(group)
+                getattr(owner, action)(members)
+            else:
+                self.roll(group, members, Reason.MANUAL)
         return replicas
+
+    # --- rolling restarts --------------------------------------------------------------------
+    def roll(self, group: str, members: list[Replica], reason: Reason) -> None:
+        """Replace `members` a few at a time (supervisor.rollout) in the background; the
+        failure histories reset as for any operator restart."""
+        self._cancel_rollout(group)
+        owner = self.groups[group]
+        if isinstance(owner, ReplicaGroup):
+            for member in members:
+                owner.forget(member)
+        task = asyncio.get_running_loop().create_task(
+            roll(self, group, members, reason, self.in_flight), name=f"rollout:{group}")
+        self._rollouts[group] = task
+        task.add_done_callback(lambda t: self._rollouts.get(group) is t
+                               and self._rollouts.pop(group))
+
+    def _cancel_rollout(self, group: str) -> None:
+        task = self._rollouts.pop(group, None)
+        if task is not None and not task.done():
+            log.warning("[rollout] %s: cancelled by a newer command", group)
+            task.cancel()
+
+    def add_surge(self, group: str, index: int) -> Replica:
+        """A temporary extra replica of `group` for a rollout (named GROUP+K: no spec name
+        can take that form)."""
+        template = next(r.spec for r in self.replicas.values() if r.spec.group == group)
+        engine = dataclasses.replace(template, name=f"{group}+{index}", rank=0)
+        replica = self.make_replica(engine, self.groups[group])
+        self.replicas[engine.name] = replica
+        replica.start_supervising()
+        return replica
+
+    def retire_surge(self, replica: Replica) -> None:
+        if self.replicas.get(replica.name) is replica:
+            del self.replicas[replica.name]
+            self._retire(replica)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -103,6 +152,8 @@ class Fleet:
 
     async def shutdown(self, deadline_s: float | None = None) -> None:
         """Stop every engine in parallel under one shared deadline."""
+        for group in list(self._rollouts):
+            self._cancel_rollout(group)  # a rollout must not restart anything now
         replicas = list(self.replicas.values())
         budget = deadline_s if deadline_s is not None else max(
             (r.spec.stop_timeout_s for r in replicas), default=0.0)
@@ -130,7 +181,8 @@ class Fleet:
             self.replicas[engine.name] = replica
             added.append(replica)
         order = {e.name: i for i, e in enumerate(spec.engines)}
-        self.replicas = dict(sorted(self.replicas.items(), key=lambda kv: order[kv[0]]))
+        self.replicas = dict(sorted(self.replicas.items(),
+                                    key=lambda kv: order.get(kv[0], len(order))))
         self._regroup()
         changed = {e.name for e in plan.changed}
         # A changed data-parallel group restarts as a gang (fresh rendezvous), together with any
@@ -142,7 +194,7 @@ class Fleet:
                     owner.restart([m for m in owner.members if m not in added and m.wanted],
                                   Reason.RELOAD)
             elif members:
-                owner.restart(members, Reason.RELOAD)
+                self.roll(owner.name, members, Reason.RELOAD)
         for replica in added:
             replica.start_supervising()
 
@@ -208,24 +260,34 @@ class Fleet:
         choices = [r for r in ready if load[r.name] == least]
         return choices[self._rr % len(choices)]
 
-    async def generate(self, channels: EngineChannels, prompt: str, max_tokens: int,
-                       engine: str | None, timeout_s: float) -> proto.GenerateResult:
+    def open_request(self, channels: EngineChannels, request: proto.GenerateRequest,
+                     engine: str | None) -> tuple[Replica, RequestStream]:
+        """Send `request` to a READY replica (of `engine`, else any); its events come on the
+        stream. Raises UnknownEngine, NoEngineReady, RequestFailed."""
         replica = self.pick_engine(engine, channels)
         owner = self.groups[replica.spec.group]
         if isinstance(owner, Gang):  # its peers must join the lockstep step: wake them now
             for peer in owner.members:
                 if peer is not replica and peer.state is EngineState.READY:
                     channels.wake(peer.name, peer.incarnation)
+        return replica, channels.open(replica.name, replica.incarnation, request)
+
+    async def generate(self, channels: EngineChannels, request: proto.GenerateRequest,
+                       engine: str | None, timeout_s: float) -> proto.GenerateResult:
+        """One request, not streamed; counted by outcome on the replica that served it."""
+        replica, stream = self.open_request(channels, request, engine)
         try:
-            result = await channels.generate(replica.name, replica.incarnation, prompt,
-                                             max_tokens, timeout_s)
-        except RequestTimeout:
+            result = await asyncio.wait_for(stream.result(), timeout_s)
+        except asyncio.TimeoutError:
             replica.count_request("timeout")
-            raise
+            raise RequestTimeout(f"{replica.name} did not answer within {timeout_s:g}s") \
+                from None
         except RequestFailed:
             replica.count_request("error")
             raise
-        replica.count_request("ok")
+        finally:
+            stream.close()
+        replica.count_request("ok" if result.error is None else "error")
         return result
 
 

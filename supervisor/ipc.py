@@ -15,7 +15,6 @@ import asyncio
 import collections
 import logging
 import time
-import uuid
 from typing import Callable
 
 import msgspec
@@ -54,7 +53,7 @@ class EngineChannels:
         self.requests = self._bind(zmq.ROUTER, self.request_endpoint)
         self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error, not a drop
         self.dropped: collections.Counter[str] = collections.Counter()
-        self._pending: dict[str, tuple[str, int, asyncio.Future[proto.GenerateResult]]] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._last_log = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._control_fd = -1
@@ -79,9 +78,8 @@ class EngineChannels:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for _, _, future in self._pending.values():
-            if not future.done():
-                future.set_exception(RequestFailed("engined is shutting down"))
+        for stream in list(self._streams.values()):
+            stream.fail(RequestFailed("engined is shutting down"))
         asyncio.get_running_loop().remove_reader(self._control_fd)
         self.control.close(linger=0)
         self.requests.close(linger=0)
@@ -145,32 +143,51 @@ class EngineChannels:
                 return
             self._apply(msg)
             return
-        if not isinstance(msg, proto.GenerateResult):
+        if not isinstance(msg, (proto.GenerateResult, proto.TokenChunk)):
             self._drop("unexpected", f"{type(msg).__name__} from {identity!r}")
             return
-        entry = self._pending.get(msg.id)
-        if entry is None or identity != routing_id(entry[0], entry[1]):
-            self._drop("stale", f"result {msg.id!r} from {identity!r}")
+        stream = self._streams.get(msg.id)
+        if stream is None or identity != routing_id(stream.engine, stream.incarnation):
+            self._drop("stale", f"{type(msg).__name__} {msg.id!r} from {identity!r}")
             return
-        future = entry[2]
-        if not future.done():
-            future.set_result(msg)
+        stream.put(msg)
 
-    async def generate(self, engine: str, incarnation: int, prompt: str, max_tokens: int,
-                       timeout_s: float) -> proto.GenerateResult:
-        request = proto.GenerateRequest(uuid.uuid4().hex, prompt, max_tokens)
-        future: asyncio.Future[proto.GenerateResult] = asyncio.get_running_loop().create_future()
-        self._pending[request.id] = (engine, incarnation, future)
+    # --- requests ----------------------------------------------------------------------------
+    def open(self, engine: str, incarnation: int,
+             request: proto.GenerateRequest) -> RequestStream:
+        """Send `request` to one incarnation; its chunks and result arrive on the stream.
+        Raises RequestFailed if it cannot be sent."""
+        stream = RequestStream(self, engine, incarnation, request.id)
+        self._streams[request.id] = stream
         try:
             self._send(routing_id(engine, incarnation), proto.encode(request))
-            result = await asyncio.wait_for(future, timeout_s)
+        except RequestFailed:
+            self._streams.pop(request.id, None)
+            raise
+        return stream
+
+    def _close(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.id) is stream:
+            del self._streams[stream.id]
+            if not stream.finished:  # the client went away: the engine stops generating it
+                self.abort(stream.engine, stream.incarnation, stream.id)
+
+    def abort(self, engine: str, incarnation: int, request_id: str) -> None:
+        try:
+            self._send(routing_id(engine, incarnation), proto.encode(proto.Abort(request_id)))
+        except RequestFailed:
+            pass  # gone: nothing to abort
+
+    async def generate(self, engine: str, incarnation: int, request: proto.GenerateRequest,
+                       timeout_s: float) -> proto.GenerateResult:
+        """One request, not streamed: its result (RequestFailed / RequestTimeout otherwise)."""
+        stream = self.open(engine, incarnation, request)
+        try:
+            return await asyncio.wait_for(stream.result(), timeout_s)
         except asyncio.TimeoutError:
             raise RequestTimeout(f"{engine} did not answer within {timeout_s:g}s") from None
         finally:
-            self._pending.pop(request.id, None)
-        if result.error is not None:
-            raise RequestFailed(f"{engine}: {result.error}")
-        return result
+            stream.close()
 
     def _send(self, identity: bytes, frame: bytes) -> None:
         # A READY engine is routable (its READY came through this socket); an unreachable one
@@ -190,10 +207,63 @@ class EngineChannels:
 
     def fail_engine(self, engine: str, incarnation: int, reason: str) -> None:
         """The engine's incarnation is gone: fail its in-flight requests now, not at timeout."""
-        for name, inc, future in list(self._pending.values()):
-            if name == engine and inc == incarnation and not future.done():
-                future.set_exception(RequestFailed(f"{engine} {reason}"))
+        for stream in list(self._streams.values()):
+            if stream.engine == engine and stream.incarnation == incarnation:
+                stream.fail(EngineLost(f"{engine} {reason}", engine, reason))
 
     def in_flight(self, engine: str) -> int:
-        return sum(1 for name, _, _ in self._pending.values() if name == engine)
+        return sum(1 for s in self._streams.values() if s.engine == engine)
 
+
+class EngineLost(RequestFailed):
+    """The incarnation serving a request exited, hung or stalled, or was stopped."""
+
+    def __init__(self, message: str, engine: str, why: str) -> None:
+        super().__init__(message)
+        self.engine, self.why = engine, why
+
+
+class RequestStream:
+    """One request's events, in order: TokenChunks, then its GenerateResult; an engine that goes
+    away ends it with EngineLost. Iterate it; `close()` when done (aborts it if unfinished)."""
+
+    def __init__(self, channels: EngineChannels, engine: str, incarnation: int,
+                 request_id: str) -> None:
+        self.channels = channels
+        self.engine, self.incarnation, self.id = engine, incarnation, request_id
+        self.queue: asyncio.Queue[proto.TokenChunk | proto.GenerateResult | RequestFailed] = \
+            asyncio.Queue()
+        self.finished = False
+
+    def put(self, msg: proto.TokenChunk | proto.GenerateResult) -> None:
+        if self.finished:
+            return
+        if isinstance(msg, proto.GenerateResult):
+            self.finished = True
+        self.queue.put_nowait(msg)
+
+    def fail(self, error: RequestFailed) -> None:
+        if not self.finished:
+            self.finished = True
+            self.queue.put_nowait(error)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> proto.TokenChunk | proto.GenerateResult:
+        if self.finished and self.queue.empty():
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, RequestFailed):
+            raise item
+        return item
+
+    async def result(self) -> proto.GenerateResult:
+        """Its GenerateResult (chunks, if any, are skipped)."""
+        async for item in self:
+            if isinstance(item, proto.GenerateResult):
+                return item
+        raise RequestFailed(f"{self.engine} sent no result for {self.id}")
+
+    def close(self) -> None:
+        self.channels._close(self)

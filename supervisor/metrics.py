@@ -19,6 +19,8 @@ from prometheus_client.core import (
 )
 
 from engined.supervisor import __version__
+from engined.supervisor.gateway.app import OUTCOMES as GATEWAY_OUTCOMES
+from engined.supervisor.gateway.app import GatewayStats
 from engined.supervisor.loop import LoopMonitor
 from engined.supervisor.policy import Reason
 from engined.supervisor.sampler import Sample
@@ -37,11 +39,13 @@ class FleetCollector:
         self._ipc_dropped: dict[str, int] = {}
         self._cpu_reported: dict[str, float] = {}
         self._monitor: LoopMonitor | None = None
+        self._gateway: GatewayStats | None = None
 
     def update(self, views: Iterable[EngineView], sample: Sample,
-               ipc_dropped: dict[str, int], monitor: LoopMonitor | None = None) -> None:
+               ipc_dropped: dict[str, int], monitor: LoopMonitor | None = None,
+               gateway: GatewayStats | None = None) -> None:
         self._views, self._sample, self._ipc_dropped = list(views), sample, dict(ipc_dropped)
-        self._monitor = monitor
+        self._monitor, self._gateway = monitor, gateway
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: families vary with the fleet
@@ -59,6 +63,35 @@ class FleetCollector:
             dropped.add_metric([kind], count)
         yield dropped
         yield from self._loop_metrics()
+        yield from self._gateway_metrics()
+
+    def _gateway_metrics(self) -> Iterator[Metric]:
+        stats = self._gateway
+        if stats is None:
+            return  # the gateway is off
+        requests = CounterMetricFamily("engined_gateway_requests",
+                                       "OpenAI API requests by model and outcome",
+                                       labels=["model", "outcome"])
+        models = sorted({m for m, _ in stats.requests} | set(stats.migrations))
+        for model in models:
+            for outcome in GATEWAY_OUTCOMES:
+                requests.add_metric([model, outcome], stats.requests[(model, outcome)])
+        yield requests
+        moves = CounterMetricFamily("engined_gateway_migrations",
+                                    "Requests moved to another replica after theirs went away",
+                                    labels=["model"])
+        for model in models:
+            moves.add_metric([model], stats.migrations[model])
+        yield moves
+        for name, doc, hists in (
+                ("engined_gateway_time_to_first_token_seconds",
+                 "From a request's arrival to its first token", stats.ttft),
+                ("engined_gateway_request_duration_seconds",
+                 "A request's whole life in the gateway", stats.latency)):
+            family = HistogramMetricFamily(name, doc, labels=["model"])
+            for model, hist in sorted(hists.items()):
+                family.add_metric([model], hist.buckets(), hist.total)
+            yield family
 
     def _loop_metrics(self) -> Iterator[Metric]:
         monitor = self._monitor

@@ -51,7 +51,12 @@ def plan_reload(old: FleetSpec, new: FleetSpec) -> ReloadPlan:
                       supervisor_changes(old.supervisor, new.supervisor))
 
 
+LIVE_SUPERVISOR_KEYS = ("api_key_file",)  # applied by a reload (the token file is re-read)
+
+
 def supervisor_changes(old: SupervisorSpec, new: SupervisorSpec) -> tuple[str, ...]:
+    """Supervisor keys that changed and need a restart of engined to apply."""
     return tuple(f"supervisor.{f.name.removesuffix('_s')}"
                  for f in dataclasses.fields(SupervisorSpec)
-                 if getattr(old, f.name) != getattr(new, f.name))
+                 if f.name not in LIVE_SUPERVISOR_KEYS
+                 and getattr(old, f.name) != getattr(new, f.name))

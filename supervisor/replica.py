@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import enum
 import errno
+import json
 import logging
 import random
 import signal
@@ -172,6 +173,8 @@ class Replica:
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._watching = False  # between a spawn and the handling of that child's exit
+        self.draining = False  # out of routing (a rolling restart, a shutdown); still serving
+        self.standby = False  # a warm spare: built and heartbeating, not routed
 
     @property
     def name(self) -> str:
@@ -470,9 +473,10 @@ class Replica:
         if decision.action is Action.RESTART:
             self._pending_reason = reason
             self._spawn_due = self.clock.monotonic() + decision.delay_s
-            if decision.delay_s > 0:
-                self.restart_at = self._spawn_due
-                self._set_state(EngineState.BACKOFF)
+            # BACKOFF even for an immediate restart: until the respawn (its leftovers are
+            # cleared first) nothing may take the dead incarnation for a live READY one
+            self.restart_at = self._spawn_due if decision.delay_s > 0 else None
+            self._set_state(EngineState.BACKOFF)
         elif decision.action is Action.FAIL:
             self.fail_reason = decision.why
             self._set_state(EngineState.FAILED)
@@ -619,7 +623,8 @@ class Replica:
             control_endpoint=self.deps.control_endpoint,
             request_endpoint=self.deps.request_endpoint,
             heartbeat_interval_s=self.deps.heartbeat_interval_s,
-            rendezvous=self.owner.rendezvous, python=spec.python)
+            rendezvous=self.owner.rendezvous, python=spec.python, backend=spec.backend,
+            engine_args={key: json.loads(value) for key, value in spec.engine_args})
 
 
 def _lost_because(reason: Reason, requested: _Command | None) -> str:

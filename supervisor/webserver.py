@@ -35,7 +35,10 @@ def make_runner(app: web.Application, max_connections: int,
     file-descriptor reserve) and the quiet client-error log."""
     # keepalive_timeout also bounds the wait for a first complete request (aiohttp arms it at
     # accept): a client that sends half a request line is closed when it expires.
+    # handler_cancellation: a client that goes away cancels its handler, so a request it was
+    # waiting for is aborted (and a `logs -f` follower unregistered) at once.
     return CappedRunner(app, max_connections, may_accept, handle_signals=False, access_log=None,
+                        handler_cancellation=True,
                         keepalive_timeout=CLIENT_TIMEOUT_S, lingering_time=_LINGER_S,
                         logger=ServerLog(logging.getLogger("engined.http")))
 

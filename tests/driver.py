@@ -263,7 +263,7 @@ class Daemon:
     def dump(self) -> None:
         """Print what helps diagnose a failure (pytest shows it for failing tests only)."""
         print(f"===== engined stderr ({self.stderr_path}) =====")
-        print(self.stderr_text()[-20000:])
+        print(self.stderr_text()[-int(os.environ.get("ENGINED_TEST_DUMP_CHARS", "20000")):])
         if self.log_dir.is_dir():
             for path in sorted(self.log_dir.glob("*.log")):
                 print(f"===== {path.name} =====")

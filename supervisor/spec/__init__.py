@@ -62,9 +62,21 @@ def load_fleet(path: str | os.PathLike[str]) -> FleetSpec:
 
 def check_host(fleet: FleetSpec) -> None:
     """What the spec names on this machine and cannot do without: every `python:` interpreter
-    must be an executable file (a missing one is a configuration error, not a crash loop).
-    Raises SpecError naming each."""
+    must be an executable file (a missing one is a configuration error, not a crash loop), and
+    the gateway's api_key_file must be readable and hold a token. Raises SpecError naming each."""
     problems = []
+    key_file = fleet.supervisor.api_key_file
+    if key_file is not None:
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                if not f.read(4096).strip():
+                    problems.append(SpecProblem(fleet.source, "supervisor.api_key_file", None,
+                                                f"{key_file} is empty (it holds the bearer "
+                                                f"token clients must send)"))
+        except (OSError, UnicodeDecodeError) as exc:
+            problems.append(SpecProblem(fleet.source, "supervisor.api_key_file", None,
+                                        f"cannot read {key_file}: "
+                                        f"{getattr(exc, 'strerror', None) or exc}"))
     for index, (group, members) in enumerate(fleet.groups().items()):
         python = members[0].python
         if python is None:
@@ -109,6 +121,7 @@ def anchor_paths(fleet: FleetSpec, base_dir: str) -> FleetSpec:
         control_socket=anchor(sup.control_socket),
         runtime_dir=anchor(sup.runtime_dir),
         log_dir=anchor(sup.log_dir),
+        api_key_file=anchor(sup.api_key_file),
     )
     engines = []
     for engine in fleet.engines:

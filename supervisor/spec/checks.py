@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -291,6 +292,29 @@ def _gpus(problems: _Problems, value: Any, path: str) -> Any:
         else:
             first[index] = i
     return _BAD if bad else tuple(value)
+
+
+BACKENDS = ("transformers", "vllm")
+_ARG_NAME_RE = re.compile(r"[a-z_][a-z0-9_]{0,63}")
+
+
+def _engine_args(problems: _Problems, value: Any, path: str) -> Any:
+    """vLLM's EngineArgs keywords: names and JSON values (checked by vLLM in the child; a bad
+    one exits 78 with vLLM's message). Stored as sorted (name, canonical JSON) pairs."""
+    mapping = _mapping(problems, value, path, null_ok=True)
+    if mapping is None:
+        return _BAD
+    pairs = []
+    for key, item in mapping.items():
+        if not _ARG_NAME_RE.fullmatch(key):
+            problems.add(_join(path, key), f"invalid argument name {_show(key)} (EngineArgs "
+                                           f"keywords look like max_model_len)")
+            continue
+        try:
+            pairs.append((key, json.dumps(item, sort_keys=True, allow_nan=False)))
+        except (TypeError, ValueError):
+            problems.add(_join(path, key), f"must be a plain value, got {_describe(item)}")
+    return tuple(sorted(pairs))
 
 
 def _env(problems: _Problems, value: Any, path: str) -> Any:

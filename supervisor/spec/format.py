@@ -31,8 +31,12 @@ def _format_supervisor(sup: SupervisorSpec) -> list[str]:
             else f"{sup.http[0]}:{sup.http[1]}"
         )
     )
+    gateway = "off" if sup.gateway is None else f"{sup.gateway[0]}:{sup.gateway[1]}"
+    if sup.api_key_file:
+        gateway += f" (bearer token from {_printable(sup.api_key_file)})"
     rows = [
         ("http", http),
+        ("gateway", gateway),
         (
             "control_socket",
             _printable(sup.control_socket)
@@ -89,5 +93,8 @@ def _format_engine(e: EngineSpec) -> list[str]:
     ]
     if e.python:
         rows.insert(1, ("python", _printable(e.python)))
+    if e.backend != "transformers" or e.engine_args:
+        args = ", ".join(f"{k}={v}" for k, v in e.engine_args) or "-"
+        rows.insert(1, ("backend", _printable(f"{e.backend}; engine_args {args}")))
     head = f"  {e.name}  (group {e.group}, rank {e.rank} of {e.replicas})"
     return [head] + [f"    {key:<10}{value}" for key, value in rows]

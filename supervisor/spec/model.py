@@ -63,6 +63,14 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class RolloutSpec:
+    """How a restart of a group (or a reload that changes it) replaces its replicas."""
+
+    max_unavailable: int = 1  # replicas out of routing at once
+    max_surge: int = 0  # extra replicas started first (engines without GPUs only)
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     """One replica, fully resolved (defaults merged)."""
 
@@ -83,11 +91,20 @@ class EngineSpec:
     stall_timeout_s: float
     stop_timeout_s: float
     python: str | None = None  # the child's interpreter (its own venv); None: engined's own
+    backend: str = "transformers"  # transformers | vllm (builtin:echo: neither)
+    engine_args: tuple[tuple[str, str], ...] = ()  # vLLM EngineArgs: (name, JSON value), sorted
+    served_model_name: str = ""  # the gateway's model name (the group's name by default)
+    queue_limit: int = 256  # the gateway's requests per group, in flight or waiting (429 past)
+    request_timeout_s: float = 600.0  # a request's whole life in the gateway (503 past)
+    migration_limit: int = 3  # times a request may move to another replica
+    rollout: RolloutSpec = RolloutSpec()
 
 
 @dataclass(frozen=True)
 class SupervisorSpec:
     http: tuple[str, int] | None  # None: HTTP endpoint off
+    gateway: tuple[str, int] | None  # the OpenAI-compatible API; None: off
+    api_key_file: str | None  # a bearer token the gateway requires (re-read on reload)
     control_socket: str | None  # None: the daemon's default location
     runtime_dir: str | None
     log_dir: str | None

@@ -3,6 +3,7 @@ checks across engines)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from engined.supervisor.spec.checks import (
     _BAD,
     _NAME_RE,
+    BACKENDS,
     DEFAULT_HTTP,
     MAX_GPU_INDEX,
     RESERVED_NAMES,
@@ -18,6 +20,7 @@ from engined.supervisor.spec.checks import (
     _bool,
     _Check,
     _duration,
+    _engine_args,
     _enum,
     _env,
     _factor,
@@ -37,6 +40,7 @@ from engined.supervisor.spec.model import (
     BackoffSpec,
     EngineSpec,
     FleetSpec,
+    RolloutSpec,
     StartLimitSpec,
     SupervisorSpec,
 )
@@ -51,6 +55,10 @@ _BACKOFF_CHECKS: dict[str, _Check] = {
     "jitter": _jitter,
     "reset_after": _duration(positive=False),
 }
+_ROLLOUT_CHECKS: dict[str, _Check] = {
+    "max_unavailable": _int_in(1, 1024),
+    "max_surge": _int_in(0, 1024),
+}
 _START_LIMIT_CHECKS: dict[str, _Check] = {
     "burst": _int_in(1, 1_000_000),
     "interval": _duration(positive=True),
@@ -58,6 +66,7 @@ _START_LIMIT_CHECKS: dict[str, _Check] = {
 _NESTED: dict[str, dict[str, _Check]] = {
     "backoff": _BACKOFF_CHECKS,
     "start_limit": _START_LIMIT_CHECKS,
+    "rollout": _ROLLOUT_CHECKS,
 }
 _SETTING_CHECKS: dict[str, _Check] = {
     "restart": _enum(RESTART_POLICIES),
@@ -72,6 +81,12 @@ _SETTING_CHECKS: dict[str, _Check] = {
     "threads": _int_in(1, 1024),
     "env": _env,
     "python": _optional_text,
+    "backend": _enum(BACKENDS),
+    "engine_args": _engine_args,
+    "served_model_name": _optional_text,
+    "queue_limit": _int_in(1, 1_000_000),
+    "request_timeout": _duration(positive=True),
+    "migration_limit": _int_in(0, 100),
 }
 _SETTING_KEYS = (*_SETTING_CHECKS, *_NESTED)
 _ENGINE_ONLY = ("name", "replicas")
@@ -89,6 +104,14 @@ _BUILTIN_SETTINGS: dict[str, _Located] = {
         "threads": 1,
         "env": (),
         "python": None,
+        "backend": "transformers",
+        "engine_args": (),
+        "served_model_name": None,
+        "queue_limit": 256,
+        "request_timeout": 600.0,
+        "migration_limit": 3,
+        "rollout.max_unavailable": 1,
+        "rollout.max_surge": 0,
         "backoff.initial": 1.0,
         "backoff.max": 30.0,
         "backoff.factor": 2.0,
@@ -100,6 +123,8 @@ _BUILTIN_SETTINGS: dict[str, _Located] = {
 }
 _SUPERVISOR_CHECKS: dict[str, _Check] = {
     "http": _http,
+    "gateway": _http,
+    "api_key_file": _optional_text,
     "control_socket": _optional_text,
     "runtime_dir": _optional_text,
     "log_dir": _optional_text,
@@ -108,6 +133,8 @@ _SUPERVISOR_CHECKS: dict[str, _Check] = {
 }
 _SUPERVISOR_DEFAULTS: dict[str, Any] = {
     "http": DEFAULT_HTTP,
+    "gateway": None,  # off unless asked for: two daemons never fight over a port
+    "api_key_file": None,
     "control_socket": None,
     "runtime_dir": None,
     "log_dir": None,
@@ -161,8 +188,14 @@ def _supervisor(problems: _Problems, raw: Any) -> SupervisorSpec:
             f"heartbeat_timeout ({_fmt_duration(timeout)}) must exceed "
             f"heartbeat_interval ({_fmt_duration(interval)})",
         )
+    gateway, http = values["gateway"], values["http"]
+    if not _any_bad(gateway, http) and gateway is not None and gateway == http:
+        problems.add("supervisor.gateway", f"gateway and http cannot share {gateway[0]}:"
+                                           f"{gateway[1]}")
     return SupervisorSpec(
         http=values["http"],
+        gateway=values["gateway"],
+        api_key_file=values["api_key_file"],
         control_socket=values["control_socket"],
         runtime_dir=values["runtime_dir"],
         log_dir=values["log_dir"],
@@ -222,6 +255,7 @@ def _engines(
     groups = [_group(problems, item, i, defaults) for i, item in enumerate(raw)]
     valid = [g for g in groups if g is not None]
     _check_names(problems, valid)
+    _check_model_names(problems, valid)
     _check_gpu_overlap(problems, valid)
     if len(valid) != len(groups) or any(
         _any_bad(*(v for v, _ in g.settings.values())) for g in valid
@@ -247,6 +281,7 @@ def _group(
         )
         settings["model"] = (_BAD, None)
     _check_backoff(problems, settings, path)
+    _check_backend(problems, settings, path)
     if replicas is not _BAD:
         _check_gpu_split(problems, settings, replicas, path)
     if _any_bad(name, replicas):
@@ -269,6 +304,43 @@ def _blame(engine_path: str, *located: _Located) -> str | None:
     at all."""
     paths = [path for _, path in located if path is not None]
     return next((p for p in paths if p.startswith(engine_path + ".")), paths[0] if paths else None)
+
+
+# engine_args that have one source of truth elsewhere in the spec, or start processes engined
+# would not supervise (tensor/pipeline/data parallel workers, a second torch.distributed user).
+_OWNED_ARGS = {
+    "model": "the model comes from `model:`",
+    "dtype": "set the dtype once, in `model: {path: DIR, dtype: ...}`",
+    "max_num_seqs": "`max_batch_size` is vLLM's max_num_seqs: set that instead",
+}
+_PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+
+
+def _check_backend(problems: _Problems, s: dict[str, _Located], path: str) -> None:
+    (backend, backend_at), (args, args_at) = s["backend"], s["engine_args"]
+    if _any_bad(backend, args):
+        return
+    args_at = args_at or f"{path}.engine_args"
+    if args and backend != "vllm":
+        problems.add(args_at, f"engine_args are passed to vLLM: they need backend: vllm "
+                              f"(this engine's backend is {backend}){_for(args_at, path)}")
+        return
+    for key, value in args:
+        if key in _OWNED_ARGS:
+            problems.add(f"{args_at}.{key}", _OWNED_ARGS[key])
+        elif key in _PARALLEL_ARGS and json.loads(value) not in (1, None):
+            problems.add(f"{args_at}.{key}", f"{key} > 1 starts vLLM worker processes engined "
+                                             f"would not supervise: not supported in this "
+                                             f"version (run one engine per GPU instead)")
+    dp, dp_at = s["data_parallel"]
+    if backend == "vllm" and dp is True:
+        problems.add(dp_at or backend_at or f"{path}.data_parallel",
+                     f"data_parallel: true is not supported with backend: vllm (a second "
+                     f"torch.distributed user){_for(dp_at or backend_at or path, path)}")
+
+
+def _for(at: str, path: str) -> str:
+    return "" if at.startswith(path + ".") else f" (for {path})"
 
 
 def _check_backoff(problems: _Problems, s: dict[str, _Located], path: str) -> None:
@@ -326,6 +398,27 @@ def _check_names(problems: _Problems, groups: list[_Group]) -> None:
             taken.setdefault(name, (g.index, what))
 
 
+def _check_model_names(problems: _Problems, groups: list[_Group]) -> None:
+    """The gateway's model names (served_model_name, else the group's name) are unique."""
+    served: dict[str, _Group] = {}
+    for g in groups:
+        name, at = g.settings["served_model_name"]
+        if name is _BAD:
+            continue
+        name = name or g.name
+        other = served.setdefault(name, g)
+        if other is not g:
+            problems.add(at or f"engines[{g.index}].name",
+                         f"model name {name!r} is served by engine {other.name!r} "
+                         f"(engines[{other.index}]) too: the gateway could not tell them apart")
+    for g in groups:
+        (surge, surge_at), (gpus, _) = g.settings["rollout.max_surge"], g.settings["gpus"]
+        if not _any_bad(surge, gpus) and surge and gpus:
+            problems.add(surge_at or f"engines[{g.index}].rollout.max_surge",
+                         "max_surge > 0 needs an engine without GPUs (a surge replica would "
+                         "need GPUs of its own)")
+
+
 def _check_gpu_overlap(problems: _Problems, groups: list[_Group]) -> None:
     owner: dict[int, _Group] = {}
     for g in groups:
@@ -372,6 +465,13 @@ def _expand(g: _Group) -> list[EngineSpec]:
             stall_timeout_s=s["stall_timeout"],
             stop_timeout_s=s["stop_timeout"],
             python=s["python"],
+            backend=s["backend"],
+            engine_args=s["engine_args"],
+            served_model_name=s["served_model_name"] or g.name,
+            queue_limit=s["queue_limit"],
+            request_timeout_s=s["request_timeout"],
+            migration_limit=s["migration_limit"],
+            rollout=RolloutSpec(s["rollout.max_unavailable"], s["rollout.max_surge"]),
         )
         for rank in range(g.replicas)
     ]

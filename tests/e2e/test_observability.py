@@ -154,6 +154,12 @@ def test_health_and_readyz_follow_restarts_failures_and_stops(http_fleet):
     assert json.loads(body)["engines"]["slow-0"] == "STOPPED"
     assert _get(port, "/readyz")[0] == 200
 
+    # Everything stopped: nothing can serve, so readiness says so (health: nothing is expected)
+    assert http_fleet.ctl("stop", "all").returncode == 0
+    code, body = _get(port, "/readyz")
+    assert code == 503 and json.loads(body)["status"] == "nothing to serve", body
+    assert _get(port, "/health")[0] == 200
+
 
 def test_readyz_stays_up_while_one_replica_of_a_group_restarts(engined):
     port = _free_port()

@@ -162,9 +162,21 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
 
 @pytest.mark.parametrize("example", sorted((REPO / "etc").rglob("*.yaml")), ids=lambda p: p.name)
 def test_example_fleets_pass_check(example):
+    """Every shipped spec is valid. One whose `python:` venv is not on this machine (the vLLM
+    examples: .venv-vllm, /opt/vllm) must fail on that alone: the host check runs only on a
+    spec that parsed, so everything else in it was valid."""
     done = subprocess.run([sys.executable, "-m", "engined.supervisor.daemon", "-c", str(example),
                            "--check"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
+    missing = [e["python"] for e in (yaml.safe_load(example.read_text()) or {}).get(
+        "engines", []) if isinstance(e, dict) and "python" in e
+        and not (example.parent / e["python"]).exists()]
+    if not missing:
+        assert done.returncode == 0, done.stderr
+        return
+    assert done.returncode == 78, done
+    problems = [line for line in done.stderr.splitlines()[1:] if line.strip()]
+    assert problems and all("python: interpreter" in p and "does not exist" in p
+                            for p in problems), done.stderr
 
 
 # --- reload ---------------------------------------------------------------------------------

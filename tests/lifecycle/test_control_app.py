@@ -39,13 +39,26 @@ class FakeChannels:
     def wake(self, engine: str, incarnation: int) -> None:
         pass
 
-    async def generate(self, engine: str, incarnation: int, prompt: str, max_tokens: int,
-                       timeout_s: float) -> proto.GenerateResult:
-        self.sent.append((engine, prompt, max_tokens))
+    def open(self, engine: str, incarnation: int,
+             request: proto.GenerateRequest) -> FakeStream:
+        self.sent.append((engine, request.prompt, request.sampling.max_tokens))
+        return FakeStream(engine, incarnation, request)
+
+
+class FakeStream:
+    def __init__(self, engine: str, incarnation: int, request: proto.GenerateRequest) -> None:
+        self.engine, self.incarnation, self.request = engine, incarnation, request
+
+    async def result(self) -> proto.GenerateResult:
+        prompt, n = self.request.prompt, self.request.sampling.max_tokens
         if prompt == "fail":
-            raise RequestFailed(f"{engine}: boom")
-        return proto.GenerateResult("id", engine, incarnation, prompt[:max_tokens],
-                                    len(prompt), min(len(prompt), max_tokens))
+            raise RequestFailed(f"{self.engine}: boom")
+        return proto.GenerateResult(self.request.id, self.engine, self.incarnation,
+                                    prompt[:n], prompt_tokens=len(prompt),
+                                    completion_tokens=min(len(prompt), n))
+
+    def close(self) -> None:
+        pass
 
 
 BAD_REQUESTS: list[tuple[str, str, Any, int, str]] = [

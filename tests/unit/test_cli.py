@@ -355,7 +355,8 @@ def test_logs_unknown_engine_exits_1(sock: str, capsys: Cap) -> None:
 def test_generate_prints_text(daemon: FakeDaemon, sock: str, capsys: Cap) -> None:
     assert cli.main(["generate", "--max-tokens", "5", "abc"]) == 0
     assert capsys.readouterr().out == "cba\n"
-    assert daemon.requests[0][2] == {"prompt": "abc", "max_tokens": 5, "engine": None}
+    assert daemon.requests[0][2] == {"prompt": "abc", "max_tokens": 5, "engine": None,
+                                     "temperature": 0.0, "timeout_s": 300.0}
 
 
 def test_generate_json(sock: str, capsys: Cap) -> None:

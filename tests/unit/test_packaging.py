@@ -55,3 +55,18 @@ def test_supervisord_and_engined_work_in_one_environment(tmp_path: Path) -> None
                            str(REPO_ROOT / "etc" / "fleet.yaml")], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "replica(s)" in done.stdout, done
+
+
+def test_every_package_folder_is_listed_for_installation() -> None:
+    """A subpackage left out of pyproject's list installs without its files: an editable
+    install hides that, a wheel does not."""
+    import tomllib
+
+    tool = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    sources = {src: name for name, src in tool["package-dir"].items()}
+    found = set()
+    for src, name in sources.items():
+        for init in sorted((REPO_ROOT / src).rglob("__init__.py")):
+            relative = init.parent.relative_to(REPO_ROOT / src).parts
+            found.add(".".join((name, *relative)))
+    assert found == set(tool["packages"])

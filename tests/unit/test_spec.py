@@ -153,6 +153,7 @@ def test_full_spec_resolves() -> None:
         backoff=BackoffSpec(initial_s=0.5, max_s=60.0, factor=3.0, jitter=0.2, reset_after_s=300.0),
         start_limit=StartLimitSpec(burst=10, interval_s=60.0),
         startup_timeout_s=1200.0, stall_timeout_s=90.0, stop_timeout_s=10.0,
+        served_model_name="tiny",
     )
     assert (tiny1.rank, tiny1.gpus) == (1, (0, 2))
     assert echo.model == ModelSpec(source="builtin:echo", builtin="echo", path=None, dtype=None)
@@ -174,7 +175,9 @@ def test_minimal_spec_gets_every_default() -> None:
         backoff=BackoffSpec(initial_s=1.0, max_s=30.0, factor=2.0, jitter=0.1, reset_after_s=60.0),
         start_limit=StartLimitSpec(burst=5, interval_s=120.0),
         startup_timeout_s=600.0, stall_timeout_s=60.0, stop_timeout_s=30.0,
+        served_model_name="a",
     ),)
+    assert (sup.gateway, sup.api_key_file) == (None, None)  # the gateway is off unless asked
 
 
 def test_model_dtype_auto_is_none_and_model_may_come_from_defaults() -> None:
@@ -270,7 +273,7 @@ RULES = [
     ("- 1\n- 2\n", "", 1, "top level must be a mapping"),
     ("just text\n", "", 1, "top level must be a mapping"),
     # unknown keys everywhere, naming the allowed ones
-    (supervisor_with("htp: off\n"), "supervisor.htp", 3, "allowed: control_socket, heartbeat_interval"),
+    (supervisor_with("htp: off\n"), "supervisor.htp", 3, "allowed: api_key_file, control_socket, gateway"),
     (engine_with("replica: 2\n"), "engines[0].replica", 5, "did you mean 'replicas'"),
     (engine_with("backoff:\n  initial: 1s\n  maximum: 5s\n"), "engines[0].backoff.maximum", 7,
      "allowed: factor, initial, jitter, max, reset_after"),

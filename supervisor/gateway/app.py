@@ -1,0 +1,282 @@
+"""The OpenAI-compatible gateway: POST /v1/completions, POST /v1/chat/completions (SSE when
+`stream: true`), GET /v1/models, served by aiohttp on `supervisor.gateway` (off by default).
+
+The model name is the engine group's `served_model_name` (its name by default). An optional
+bearer token comes from `supervisor.api_key_file` (re-read on reload). Every answer carries an
+`X-Request-Id` (the client's, if it sent a sane one), which the daemon's log lines name too.
+Counted: engined_gateway_requests_total{model,outcome} (ok, error, timeout, rejected,
+client_gone), engined_gateway_migrations_total{model}, time to first token and latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from engined.supervisor.gateway.openai import (
+    Answer,
+    ApiError,
+    Job,
+    Usage,
+    parse_chat,
+    parse_completion,
+)
+from engined.supervisor.gateway.relay import Done, Piece, Relay
+from engined.supervisor.gateway.router import Router
+from engined.supervisor.ipc import EngineChannels
+from engined.supervisor.loop import LagHistogram
+
+log = logging.getLogger("engined.gateway")
+
+MAX_BODY_BYTES = 8 << 20
+OUTCOMES = ("ok", "error", "timeout", "rejected", "client_gone")
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                     120.0, 300.0)
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@dataclass
+class GatewayStats:
+    requests: collections.Counter[tuple[str, str]] = field(
+        default_factory=collections.Counter)  # (model, outcome)
+    migrations: collections.Counter[str] = field(default_factory=collections.Counter)
+    ttft: dict[str, LagHistogram] = field(default_factory=dict)
+    latency: dict[str, LagHistogram] = field(default_factory=dict)
+
+    def observe(self, kind: dict[str, LagHistogram], model: str, seconds: float) -> None:
+        if model not in kind:
+            kind[model] = LagHistogram(bounds=LATENCY_BUCKETS_S,
+                                       counts=[0] * (len(LATENCY_BUCKETS_S) + 1))
+        kind[model].observe(seconds)
+
+
+class ApiKey:
+    """The bearer token clients must send, read from a file (None: no token required)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.token: str | None = None
+        self.reload(path)
+
+    def reload(self, path: str | None) -> None:
+        """Re-read (at start and on every reload); a file that cannot be read keeps the old
+        token (the reload itself reports the problem)."""
+        self.path = path
+        if path is None:
+            self.token = None
+            return
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read(4096).strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            log.error("[gateway] cannot read api_key_file %s: %s (keeping the old token)",
+                      path, exc)
+            return
+        if token:
+            self.token = token
+
+    def allows(self, header: str | None) -> bool:
+        if self.token is None:
+            return True
+        scheme, _, given = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
+                                                                  self.token.encode())
+
+
+class Gateway:
+    def __init__(self, router: Router, channels: EngineChannels, api_key: ApiKey,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.router, self.channels, self.api_key, self.clock = router, channels, api_key, clock
+        self.stats = GatewayStats()
+        self.relay = Relay(router, channels, clock, on_move=self._moved)
+        self.active = 0  # requests in flight (shutdown drains them)
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def _moved(self, model: str) -> None:
+        self.stats.migrations[model] += 1
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES,
+                              middlewares=[self._errors, self._auth])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        return app
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Until no request is in flight (shutdown: finish what runs), at most `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    # --- middlewares -------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        rid = request.headers.get("X-Request-Id", "")
+        if not _REQUEST_ID_RE.fullmatch(rid):
+            rid = uuid.uuid4().hex
+        request["request_id"] = rid
+        try:
+            response = await handler(request)
+        except ApiError as exc:
+            response = _api_error(exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            response = _api_error(ApiError(exc.status, exc.reason,
+                                           kind="invalid_request_error"))
+        if not response.prepared:
+            response.headers["X-Request-Id"] = rid
+        return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if not self.api_key.allows(request.headers.get("Authorization")):
+            raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer "
+                                "<token>' (the token in engined's api_key_file)",
+                           kind="authentication_error", code="invalid_api_key")
+        return await handler(request)
+
+    # --- routes ------------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        created = int(time.time())
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "engined",
+                 "root": group} for name, group in sorted(self.router.models().items())]
+        return web.json_response({"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_completion(await _body(request)))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_chat(await _body(request)))
+
+    async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
+        rid = request["request_id"]
+        group = self.router.group_of(job.model)  # 404 for a model nobody serves
+        started = self.clock()
+        try:
+            self.router.admit(group)  # 429 past queue_limit, 503 while shutting down
+        except ApiError:
+            self.stats.requests[(job.model, "rejected")] += 1
+            raise
+        self.active += 1
+        self._idle.clear()
+        spec = self.router.spec_of(group)
+        run = self.relay.run(job, group, rid, started + spec.request_timeout_s,
+                             spec.migration_limit)
+        outcome = "error"
+        try:
+            answer = Answer(job, rid)
+            if job.stream:
+                outcome, response = await self._stream(request, job, answer, run, started)
+            else:
+                outcome, response = await self._whole(job, answer, run, started)
+            return response
+        except ApiError as exc:
+            outcome = _outcome(exc)
+            raise
+        except asyncio.CancelledError:
+            outcome = "client_gone"  # the client hung up (its handler was cancelled)
+            raise
+        finally:
+            await run.aclose()  # closes the engine stream: an unfinished request is aborted
+            self.router.leave(group)
+            self.active -= 1
+            if not self.active:
+                self._idle.set()
+            self.stats.requests[(job.model, outcome)] += 1
+            self.stats.observe(self.stats.latency, job.model, self.clock() - started)
+            log.info("[gateway] %s %s %s %s in %.3fs", rid, job.kind, job.model, outcome,
+                     self.clock() - started)
+
+    async def _whole(self, job: Job, answer: Answer, run: Any,
+                     started: float) -> tuple[str, web.Response]:
+        text: list[str] = []
+        done: Done | None = None
+        first = True
+        async for item in run:
+            if isinstance(item, Piece):
+                if first:
+                    self.stats.observe(self.stats.ttft, job.model, self.clock() - started)
+                    first = False
+                text.append(item.text)
+            else:
+                done = item
+        assert done is not None
+        return "ok", web.json_response(answer.full("".join(text), done.finish_reason,
+                                                   done.usage))
+
+    async def _stream(self, request: web.Request, job: Job, answer: Answer, run: Any,
+                      started: float) -> tuple[str, web.StreamResponse]:
+        """Server-sent events; an error after the stream started is an `error` event."""
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Request-Id": request["request_id"]})
+        await response.prepare(request)
+        first = True
+        try:
+            async for item in run:
+                if isinstance(item, Piece):
+                    if first:
+                        self.stats.observe(self.stats.ttft, job.model, self.clock() - started)
+                    if item.text or first:
+                        await _sse(response, answer.chunk(item.text, first=first))
+                    first = False
+                    continue
+                if first:  # nothing came before the end: open the stream anyway
+                    await _sse(response, answer.chunk("", first=True))
+                await _sse(response, answer.chunk("", item.finish_reason))
+                if job.include_usage:
+                    await _sse(response, answer.usage_chunk(item.usage))
+                await response.write(b"data: [DONE]\n\n")
+                return "ok", response
+        except ApiError as exc:
+            await _sse(response, exc.body())
+            await response.write(b"data: [DONE]\n\n")
+            return _outcome(exc), response
+        except (ConnectionResetError, RuntimeError):
+            return "client_gone", response
+        return "error", response
+
+
+def _outcome(exc: ApiError) -> str:
+    if exc.code == "timeout" or exc.code == "no_replica":
+        return "timeout"
+    return "rejected" if exc.status in (400, 429) else "error"
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json(loads=json.loads)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"We could not parse the JSON body of your request: {exc}"[:300]) \
+            from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the JSON body must be an object")
+    return body
+
+
+async def _sse(response: web.StreamResponse, data: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(data, separators=(",", ":")).encode() +
+                         b"\n\n")
+
+
+def _api_error(exc: ApiError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+
+
+__all__ = ["ApiKey", "Gateway", "GatewayStats", "OUTCOMES", "Usage"]

@@ -1,0 +1,273 @@
+"""The OpenAI API's shapes: requests to the engine protocol, results to OpenAI's answers.
+
+What is not supported (n > 1, best_of, logprobs, echo, suffix, tools, penalties other than 0,
+non-text response formats) is a 400 naming the field, never silently ignored. The defaults are
+OpenAI's: temperature 1, top_p 1, completions' max_tokens 16 (chat: up to the engine's limit,
+bounded here by MAX_TOKENS_DEFAULT_CHAT).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engined.engine import protocol as proto
+
+MAX_PROMPT_CHARS = 1 << 20
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_TOKENS_DEFAULT_COMPLETION = 16  # OpenAI's
+MAX_TOKENS_DEFAULT_CHAT = 1024
+MAX_STOP = 4  # OpenAI's
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error answer."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = (status, message, kind,
+                                                                        param, code)
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One client request, as the gateway runs it on an engine (maybe several, if it moves)."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt: str
+    prompt_ids: list[int] | None
+    messages: list[proto.ChatMessage] | None
+    sampling: proto.Sampling
+    stream: bool
+    include_usage: bool
+
+    def request(self, request_id: str, resume: list[int]) -> proto.GenerateRequest:
+        """The engine request (always streamed from the engine: a request that moves resumes
+        after the tokens the gateway has seen)."""
+        return proto.GenerateRequest(request_id, prompt=self.prompt, prompt_ids=self.prompt_ids,
+                                     messages=self.messages, sampling=self.sampling,
+                                     stream=True, resume=resume)
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+           "stop", "seed", "user", "presence_penalty", "frequency_penalty", "logprobs"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix", "logit_bias"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                         "tool_choice", "functions", "function_call", "response_format",
+                         "parallel_tool_calls", "logit_bias", "stream_options"}
+
+
+def parse_completion(body: dict[str, Any]) -> Job:
+    _known(body, COMPLETION_FIELDS)
+    model = _model(body)
+    for field_, ok in (("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, ""))):
+        if body.get(field_) not in ok:
+            raise bad(field_, f"'{field_}' is not supported")
+    prompt, prompt_ids = _prompt(body.get("prompt"))
+    return Job("completion", model, prompt, prompt_ids, None,
+               _sampling(body, MAX_TOKENS_DEFAULT_COMPLETION, "max_tokens"),
+               _stream(body), _include_usage(body))
+
+
+def parse_chat(body: dict[str, Any]) -> Job:
+    _known(body, CHAT_FIELDS)
+    model = _model(body)
+    for field_ in ("tools", "functions", "tool_choice", "function_call", "top_logprobs"):
+        if body.get(field_) not in (None, [], "none"):
+            raise bad(field_, f"'{field_}' is not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
+    messages = _messages(body.get("messages"))
+    limit_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    return Job("chat", model, "", None, messages,
+               _sampling(body, MAX_TOKENS_DEFAULT_CHAT, limit_key), _stream(body),
+               _include_usage(body))
+
+
+def _known(body: dict[str, Any], fields: set[str]) -> None:
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise bad(unknown[0], f"unrecognized request argument supplied: {unknown[0]}")
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "'model' is required: one of GET /v1/models")
+    return model
+
+
+def _prompt(value: Any) -> tuple[str, list[int] | None]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        if not value:
+            raise bad("prompt", "'prompt' must not be empty")
+        if len(value) > MAX_PROMPT_CHARS or not _unicode(value):
+            raise bad("prompt", "'prompt' is too long or not valid Unicode")
+        return value, None
+    if isinstance(value, list) and value and all(type(i) is int for i in value):
+        if len(value) > MAX_PROMPT_CHARS or any(i < 0 for i in value):
+            raise bad("prompt", "'prompt' token ids must be non-negative integers")
+        return "", list(value)
+    if isinstance(value, list) and len(value) > 1:
+        raise bad("prompt", "a batch of prompts is not supported: send one request per prompt")
+    raise bad("prompt", "'prompt' must be a string or a list of token ids")
+
+
+def _messages(value: Any) -> list[proto.ChatMessage]:
+    if not isinstance(value, list) or not value:
+        raise bad("messages", "'messages' must be a non-empty list")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or message.get("role") not in (
+                "system", "developer", "user", "assistant"):
+            raise bad(f"messages[{i}].role", f"messages[{i}] must have a role: system, user "
+                                             "or assistant")
+        content = message.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise bad(f"messages[{i}].content", "only text content parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str) or not _unicode(content) \
+                or len(content) > MAX_PROMPT_CHARS:
+            raise bad(f"messages[{i}].content", f"messages[{i}].content must be text")
+        role = "system" if message["role"] == "developer" else message["role"]
+        out.append(proto.ChatMessage(role, content))
+    return out
+
+
+def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise bad(key, f"'{key}' must be a number in [{low:g}, {high:g}]")
+    return float(value)
+
+
+def _sampling(body: dict[str, Any], default_max: int, max_key: str) -> proto.Sampling:
+    if body.get("n") not in (None, 1):
+        raise bad("n", "only n = 1 is supported")
+    if body.get("logprobs") not in (None, False, 0):
+        raise bad("logprobs", "'logprobs' is not supported")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise bad(key, f"'{key}' other than 0 is not supported")
+    if body.get("logit_bias") not in (None, {}):
+        raise bad("logit_bias", "'logit_bias' is not supported")
+    max_tokens = body.get(max_key)
+    if max_tokens is None:
+        max_tokens = default_max
+    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) \
+            or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+        raise bad(max_key, f"'{max_key}' must be an integer in [1, {MAX_TOKENS_LIMIT}]")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not -(2**63) <= seed < 2**63):
+        raise bad("seed", "'seed' must be an integer")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
+            isinstance(s, str) and s and _unicode(s) for s in stop):
+        raise bad("stop", f"'stop' must be a string or a list of at most {MAX_STOP} strings")
+    return proto.Sampling(max_tokens=max_tokens,
+                          temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                          top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+                          seed=None if seed is None else seed % (2**63), stop=stop)
+
+
+def _stream(body: dict[str, Any]) -> bool:
+    stream = body.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise bad("stream", "'stream' must be true or false")
+    return stream
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or set(options) - {"include_usage",
+                                                        "continuous_usage_stats"}:
+        raise bad("stream_options", "'stream_options' may hold include_usage only")
+    return bool(options.get("include_usage"))
+
+
+def _unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# --- answers ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def json(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+class Answer:
+    """Builds one request's OpenAI answer: the whole one, or its SSE chunks."""
+
+    def __init__(self, job: Job, request_id: str) -> None:
+        self.job = job
+        self.created = int(time.time())
+        prefix = "chatcmpl" if job.kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{request_id}"
+        self.object = "chat.completion" if job.kind == "chat" else "text_completion"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.job.model}
+
+    def full(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        if self.job.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
+                                                              "content": text},
+                                      "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head(self.object), "choices": [choice], "usage": usage.json()}
+
+    def chunk(self, text: str, finish_reason: str | None = None,
+              first: bool = False) -> dict[str, Any]:
+        if self.job.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
+                {"content": text} if text or finish_reason is None else {})
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                      "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        return {**self._head("text_completion"),
+                "choices": [{"index": 0, "text": text, "logprobs": None,
+                             "finish_reason": finish_reason}]}
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.job.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage.json()}

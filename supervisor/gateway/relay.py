@@ -1,0 +1,122 @@
+"""Running one client request on the fleet so that no engine death loses it.
+
+The engine request is always streamed from the engine, so the relay knows every token it has
+forwarded. If the replica goes away (it crashed, was declared hung or stalled, or was stopped)
+the request is sent again to another routable replica (or to the replacement, when none is
+READY): before the first token from scratch, mid-stream with `resume` = the token ids already
+delivered (the engine continues after them; stop strings are checked across the seam). At most
+`migration_limit` moves, then an error. The client sees one uninterrupted answer; `usage`
+reports the original prompt. A seeded sampled request is not reproduced after a move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+
+from engined.engine import protocol as proto
+from engined.supervisor.gateway.openai import ApiError, Job, Usage
+from engined.supervisor.gateway.router import Router
+from engined.supervisor.ipc import EngineChannels, EngineLost, RequestFailed
+
+log = logging.getLogger("engined.gateway")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """New text for the client (and the ids it stands for)."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str
+    usage: Usage
+    engine: str
+    moves: int
+
+
+class Relay:
+    def __init__(self, router: Router, channels: EngineChannels,
+                 clock: Callable[[], float],
+                 on_move: Callable[[str], None] = lambda model: None) -> None:
+        self.router, self.channels, self.clock = router, channels, clock
+        self.on_move = on_move
+
+    async def run(self, job: Job, group: str, request_id: str, deadline: float,
+                  limit: int) -> AsyncGenerator[Piece | Done, None]:
+        """Pieces as tokens come, then Done; raises ApiError (400 for a request the engine
+        rejects, 503 past the deadline or the migration limit)."""
+        delivered: list[int] = []
+        moves = 0
+        while True:
+            replica = await self.router.acquire(group, deadline)
+            log.debug("[gateway] %s -> %s incarnation %d", request_id, replica.name,
+                      replica.incarnation)
+            try:
+                engine_id = uuid.uuid4().hex  # a fresh id per attempt: never mixed up
+                try:
+                    stream = self.channels.open(replica.name, replica.incarnation,
+                                                job.request(engine_id, list(delivered)))
+                except RequestFailed as exc:
+                    lost: str = str(exc)
+                else:
+                    try:
+                        async for item in _until(stream, deadline, self.clock):
+                            if isinstance(item, proto.TokenChunk):
+                                delivered.extend(item.token_ids)
+                                yield Piece(item.text, item.token_ids)
+                                continue
+                            if item.error is None:
+                                if item.text or item.token_ids:
+                                    delivered.extend(item.token_ids)
+                                    yield Piece(item.text, item.token_ids)
+                                yield Done(item.finish_reason or proto.FINISH_STOP,
+                                           Usage(item.prompt_tokens, item.completion_tokens),
+                                           item.engine, moves)
+                                return
+                            if item.rejected:
+                                raise ApiError(400, item.error, code="rejected_by_engine")
+                            lost = f"{item.engine}: {item.error}"  # e.g. "engine stopping"
+                            break
+                        else:
+                            lost = f"{replica.name} ended the stream"
+                    except EngineLost as exc:
+                        lost = str(exc)
+                    finally:
+                        stream.close()
+            finally:
+                self.router.release(replica)
+            moves += 1
+            if moves > limit:
+                raise ApiError(503, f"the request lost its engine {moves} times "
+                                    f"(migration_limit {limit}); last: {lost}",
+                               kind="server_error", code="migration_limit",
+                               headers={"Retry-After": "5"})
+            log.warning("[gateway] %s: %s; moving it (move %d of %d, %d tokens delivered)",
+                        request_id, lost, moves, limit, len(delivered))
+            self.on_move(job.model)
+
+
+async def _until(stream: AsyncIterator[proto.TokenChunk | proto.GenerateResult],
+                 deadline: float, clock: Callable[[], float]
+                 ) -> AsyncIterator[proto.TokenChunk | proto.GenerateResult]:
+    """The stream's items, ApiError 503 at the request's deadline."""
+    iterator = stream.__aiter__()
+    while True:
+        left = deadline - clock()
+        if left <= 0:
+            raise ApiError(503, "the request did not finish within its request_timeout",
+                           kind="server_error", code="timeout", headers={"Retry-After": "5"})
+        try:
+            item = await asyncio.wait_for(iterator.__anext__(), left)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            continue  # the deadline check above raises
+        yield item

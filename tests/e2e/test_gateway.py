@@ -1,0 +1,198 @@
+"""End to end: the OpenAI-compatible gateway, driven by the official `openai` client: models,
+completions and chat (streamed and not), usage, errors, auth, request ids, backpressure, and
+requests that survive their replica's death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+ECHO = {"name": "echo", "replicas": 2, "model": "builtin:echo",
+        "env": {"ENGINED_ECHO_TOKEN_MS": "20"}}
+TEXT = "the quick brown fox jumps over the lazy dog"
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _client(port: int, key: str = "none", retries: int = 0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
+                         max_retries=retries, timeout=60)
+
+
+@pytest.fixture
+def gateway(engined):
+    def start(engines=None, supervisor=None, **kwargs):
+        port = _port()
+        d = engined(engines or [ECHO], supervisor={"gateway": f"127.0.0.1:{port}",
+                                                   **(supervisor or {})}, **kwargs)
+        d.port = port
+        return d, _client(port)
+    return start
+
+
+def test_models_completions_and_chat_streamed_and_not(gateway):
+    d, client = gateway([ECHO, {"name": "other", "model": "builtin:echo",
+                                "served_model_name": "other-model"}])
+    assert sorted(m.id for m in client.models.list()) == ["echo", "other-model"]
+
+    done = client.completions.create(model="echo", prompt=TEXT, max_tokens=9)
+    assert (done.choices[0].text, done.choices[0].finish_reason) == ("the quick", "length")
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens,
+            done.usage.total_tokens) == (len(TEXT), 9, len(TEXT) + 9)
+    assert done.object == "text_completion" and done.model == "echo"
+
+    chunks = list(client.completions.create(model="echo", prompt=TEXT, max_tokens=100,
+                                            stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == TEXT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == len(TEXT) and not chunks[-1].choices
+    assert len(chunks) > 5  # tokens as they came
+
+    chat = client.chat.completions.create(model="other-model", messages=[
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}])
+    assert (chat.choices[0].message.role, chat.choices[0].message.content) == (
+        "assistant", "hello")
+    assert chat.object == "chat.completion" and chat.usage.completion_tokens == 5
+
+    stream = list(client.chat.completions.create(
+        model="echo", messages=[{"role": "user", "content": "streamed chat"}], stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == "streamed chat"
+    assert stream[-1].choices[0].finish_reason == "stop"
+
+    stopped = client.completions.create(model="echo", prompt=TEXT, stop=[" brown"])
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == ("the quick", "stop")
+
+
+def test_errors_are_openai_shaped(gateway):
+    d, client = gateway()
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="nope", prompt="x")
+    assert err.value.code == "model_not_found" and "echo" in err.value.message
+    for kwargs, param in [({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"),
+                          ({"max_tokens": 0}, "max_tokens"), ({"temperature": 3}, "temperature"),
+                          ({"stop": ["a", "b", "c", "d", "e"]}, "stop")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="echo", prompt="x", **kwargs)
+        assert err.value.param == param, (kwargs, err.value.body)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "x"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert err.value.param == "tools"
+    raw = client.completions.with_raw_response.create(model="echo", prompt="id",
+                                                      extra_headers={"X-Request-Id": "abc-123"})
+    assert raw.headers["x-request-id"] == "abc-123"
+    assert raw.parse().id == "cmpl-abc-123"
+    assert d.engines()["echo-0"]["restarts"] == 0
+
+
+def test_a_bearer_token_from_api_key_file_reread_on_reload(gateway, short_tmp: Path):
+    key = short_tmp / "api-key"
+    key.write_text("s3cret\n")
+    d, anonymous = gateway(supervisor={"api_key_file": str(key)})
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.models.list()
+    assert [m.id for m in _client(d.port, "s3cret").models.list()] == ["echo"]
+    key.write_text("rotated\n")
+    assert d.ctl("reload").returncode == 0
+    with pytest.raises(openai.AuthenticationError):
+        _client(d.port, "s3cret").models.list()
+    done = _client(d.port, "rotated").completions.create(model="echo", prompt="ok")
+    assert done.choices[0].text == "ok"
+
+
+def test_a_full_queue_is_429_with_retry_after(gateway):
+    slow = {**ECHO, "replicas": 1, "queue_limit": 1, "env": {"ENGINED_ECHO_TOKEN_MS": "100"}}
+    d, client = gateway([slow])
+    first = threading.Thread(target=lambda: client.completions.create(
+        model="echo", prompt="x" * 30, max_tokens=30), daemon=True)
+    first.start()
+    d.wait_for(lambda: (d.engine("echo-0")["queue"] or {}).get("running") == 1, 10,
+               "the first request running")
+    with pytest.raises(openai.RateLimitError) as err:
+        client.completions.create(model="echo", prompt="second")
+    assert err.value.response.headers["retry-after"] == "1"
+    first.join(timeout=60)
+
+
+def test_no_replica_in_time_is_503(gateway):
+    d, client = gateway([{**ECHO, "replicas": 1, "request_timeout": "1s"}])
+    assert d.ctl("stop", "echo").returncode == 0
+    began = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as err:
+        client.completions.create(model="echo", prompt="anyone?")
+    assert err.value.status_code == 503 and err.value.response.headers["retry-after"]
+    assert time.monotonic() - began >= 1.0
+
+
+def _serving(d) -> str:
+    """The replica a single request in flight is running on."""
+    def find() -> str | None:
+        running = [n for n, e in d.engines().items() if (e["queue"] or {}).get("running")]
+        return running[0] if len(running) == 1 else None
+    return d.wait_for(find, 10, "one replica running the request")
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP])
+def test_a_stream_whose_replica_dies_goes_on_elsewhere(gateway, fault):
+    slow = {**ECHO, "env": {"ENGINED_ECHO_TOKEN_MS": "60"}, "stop_timeout": "2s"}
+    d, client = gateway([slow])
+    stream = client.completions.create(model="echo", prompt=TEXT, max_tokens=100, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks, killed = [], None
+    for chunk in stream:
+        chunks.append(chunk)
+        if killed is None and sum(len(c.choices[0].text) for c in chunks if c.choices) >= 5:
+            killed = _serving(d)
+            os.kill(d.engine(killed)["pid"], fault)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == TEXT  # identical to the answer without a fault
+    assert chunks[-1].usage.prompt_tokens == len(TEXT)
+    assert chunks[-1].usage.completion_tokens == len(TEXT)
+    d.wait_for(lambda: d.engine(killed)["restarts"] == 1, 30, f"{killed} restarted")
+    assert "moving it" in d.stderr_text()
+    port = d.port
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10):
+        pass
+
+
+def test_a_request_whose_replica_dies_before_its_first_token_is_resent(gateway):
+    slow = {**ECHO, "replicas": 2,
+            "env": {"ENGINED_ECHO_TOKEN_MS": "40", "ENGINED_FAULT_INJECTION": "1"}}
+    d, client = gateway([slow])
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(done=client.completions.create(
+        model="echo", prompt=TEXT, max_tokens=100)), daemon=True)
+    worker.start()
+    victim = _serving(d)
+    os.kill(d.engine(victim)["pid"], signal.SIGKILL)
+    worker.join(timeout=60)
+    assert result["done"].choices[0].text == TEXT  # not streamed: the client saw nothing
+
+
+def test_gateway_metrics(gateway):
+    port = _port()
+    d, client = gateway(supervisor={"http": f"127.0.0.1:{port}"})
+    client.completions.create(model="echo", prompt="counted")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="echo", prompt="x", n=3)
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'engined_gateway_requests_total{model="echo",outcome="ok"} 1.0' in text
+    assert 'engined_gateway_migrations_total{model="echo"} 0.0' in text
+    assert 'engined_gateway_time_to_first_token_seconds_count{model="echo"} 1.0' in text
+    assert 'engined_gateway_request_duration_seconds_bucket{le="+Inf",model="echo"}' in text
