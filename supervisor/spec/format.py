@@ -89,6 +89,13 @@ def _format_engine(e: EngineSpec) -> list[str]:
             f"max_batch_size {e.max_batch_size}, threads {e.threads}, "
             f"data_parallel {'yes' if e.data_parallel else 'no'}",
         ),
+        (
+            "serving",
+            f"as {_printable(e.served_model_name or e.group)}, queue_limit {e.queue_limit}, "
+            f"request_timeout {_fmt_duration(e.request_timeout_s)}, "
+            f"migration_limit {e.migration_limit}, rollout max_unavailable "
+            f"{e.rollout.max_unavailable} max_surge {e.rollout.max_surge}",
+        ),
         ("env", env),
     ]
     if e.python:

@@ -125,7 +125,10 @@ def test_grafana_dashboard_covers_the_operator_views():
                    "engined_engine_startup_duration_seconds",
                    "engined_engine_gpu_memory_allocated_bytes", "engined_gpu_memory_used_bytes",
                    "engined_event_loop_lag_seconds_bucket",
-                   "engined_event_loop_stalled_seconds_total", 'reason="spawn_error"'):
+                   "engined_event_loop_stalled_seconds_total", 'reason="spawn_error"',
+                   "engined_gateway_requests_total", "engined_gateway_migrations_total",
+                   "engined_gateway_time_to_first_token_seconds_bucket",
+                   "engined_gateway_request_duration_seconds_bucket"):
         assert metric in exprs, metric
 
 
