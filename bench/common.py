@@ -77,6 +77,22 @@ def read_children(pid: int) -> set[int]:
         os.close(fd)
 
 
+GUARD_MODULE = "engined.supervisor.guard"
+
+
+def engine_processes(daemon: psutil.Process) -> list[psutil.Process]:
+    """The daemon's engine children: its children without the guard (the one process that
+    watches for the daemon's own death)."""
+    found = []
+    for child in daemon.children():
+        try:
+            if GUARD_MODULE not in child.cmdline():
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
 def cpu_s(proc: psutil.Process) -> float:
     """User + system CPU seconds of a process (all its threads)."""
     t = proc.cpu_times()

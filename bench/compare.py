@@ -40,6 +40,7 @@ from bench.common import (
     cpu_busy_pct,
     cpu_s,
     default_out,
+    engine_processes,
     machine_lines,
     med,
     table,
@@ -155,7 +156,7 @@ def sample_idle(pids: dict[str, int], duration_s: float) -> dict[str, dict]:
     for k, p in procs.items():
         used = cpu_s(p) - c0[k]
         out[k] = {"cpu_s": used, "cpu_pct": 100 * used / wall, "rss_peak": max(rss[k]),
-                  "children": len(p.children()), "wall_s": wall, "samples": len(rss[k])}
+                  "children": len(engine_processes(p)), "wall_s": wall, "samples": len(rss[k])}
     return out
 
 
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                 cleanup.start(thing)
         time.sleep(3.0)  # last READY and spawns done, heartbeats flowing
         res["idle"] = sample_idle({k: v.pid for k, v in fleets.items()}, idle_s)
-        kids = psutil.Process(big.pid).children()
+        kids = engine_processes(psutil.Process(big.pid))
         res["echo_rss_median"] = statistics.median(c.memory_info().rss for c in kids)
 
         # scenario 4: status calls, tools in turn

@@ -35,6 +35,7 @@ from bench.common import (
     cpu_busy_pct,
     cpu_s,
     default_out,
+    engine_processes,
     machine_lines,
     med,
     read_children,
@@ -437,7 +438,7 @@ def idle(daemon: Engined, floor: Floor, duration_s: float) -> dict:
         time.sleep(min(1.0, left))
         rss.append(d.memory_info().rss)
     c1, f1, w1 = cpu_s(d), cpu_s(f), time.monotonic()
-    children = d.children()
+    children = engine_processes(d)
     return {"wall_s": w1 - w0, "cpu_s": c1 - c0, "cpu_pct": 100 * (c1 - c0) / (w1 - w0),
             "rss_peak": max(rss), "rss_first": rss[0], "rss_last": rss[-1], "samples": len(rss),
             "floor_cpu_pct": 100 * (f1 - f0) / (w1 - w0), "floor_rss": f.memory_info().rss,
