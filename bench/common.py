@@ -251,9 +251,12 @@ class BenchDaemon(Daemon):
     log_engines: tuple[str, ...] = ()  # engines whose own log tails go into error messages
 
     def __init__(self, prefix: str, tracker: Tracker, engines: list[dict[str, Any]],
-                 http: str = "off", status_timeout_s: float = 5.0) -> None:
+                 http: str = "off", status_timeout_s: float = 5.0,
+                 supervisor: dict[str, Any] | None = None) -> None:
+        """`supervisor`: more keys of the spec's `supervisor` section (e.g. `gateway`)."""
         root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-        spec = build_spec(root, engines, {"http": http, **HEARTBEATS}, IMMEDIATE_RESTARTS)
+        spec = build_spec(root, engines, {"http": http, **HEARTBEATS, **(supervisor or {})},
+                          IMMEDIATE_RESTARTS)
         super().__init__(root, spec, env={k: None for k in os.environ
                                           if k.startswith("ENGINED_") or k == "NOTIFY_SOCKET"})
         self.dir = root

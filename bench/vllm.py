@@ -1,0 +1,962 @@
+"""vLLM benchmark: vLLM under engined against vLLM on its own, in one run.
+
+    python -m bench.vllm [--quick] [--out FILE]   # default bench/results/vllm.md,
+                                                   # --quick: bench/results/vllm-quick.md
+
+1. Serving overhead: one `backend: vllm` replica (vLLM's LLMEngine in-process in the engine
+   child, builtin:tiny-llama, 1 thread) at 1 and 8 concurrent requests, max_tokens 16 and 64,
+   greedy, through the control socket's `POST /v1/generate` and through the OpenAI gateway's
+   `/v1/completions` (plain HTTP), against the same LLMEngine driven directly in one process
+   (bench/vllm_direct.py: built by the engine child's own `build_vllm_backend`, then
+   `add_request` + `step()`). Paths alternate round by round. Requests/s, tokens/s, latency
+   p50/p95, overhead, and the fixed cost per request and per token fitted from the two
+   max_tokens values.
+2. Crash → READY: SIGKILL of the engine child → READY again (the daemon's own `since`) against a
+   cold start of `vllm serve` (`python -m vllm.entrypoints.openai.api_server`, same model and
+   engine arguments) from process start to `/health` 200, as an outer supervisor would restart
+   it; also how long that server takes to exit after its EngineCore is SIGKILLed (what an outer
+   supervisor waits for before it can restart anything).
+3. A frozen engine core: SIGSTOP of the engine child with a streamed request in flight → the
+   daemon declares it hung (`last_exit`), kills and restarts it, and the request (through the
+   gateway) finishes on the replacement; against `vllm serve` with its EngineCore SIGSTOPped
+   mid-request: `/health` polled for a bounded window.
+
+The vLLM interpreter: --vllm-python, else $ENGINED_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python
+(as the vLLM test tier finds it). Prints markdown tables and writes them to --out. Every
+process is tracked and stopped by pid (SIGTERM, wait, SIGKILL); nothing is killed by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from bench.common import (
+    HEARTBEATS,
+    ROOT,
+    BenchDaemon,
+    BenchError,
+    Cleanup,
+    Report,
+    Tracker,
+    default_out,
+    machine_lines,
+    med,
+    table,
+    terminate,
+    wait_until,
+    without_engined_vars,
+)
+from bench.compare import engined_revision, free_port
+from bench.llm import build_checkpoint
+from tests.driver import process_gone, read_until, stream_lines
+
+MAX_TOKENS = (16, 64)  # the headline first; two values to fit cost per request and per token
+CONCURRENCY = (1, 8)
+PROMPTS = [f"vllm benchmark prompt {i}: the quick brown fox" for i in range(8)]  # equal lengths
+OVERHEAD_TARGET_PCT = 5.0  # the issue's target at 8 concurrent requests
+WARMUP_ROUNDS = 2
+PATHS = ("direct", "control", "gateway")
+PATH_LABELS = {
+    "direct": "direct `LLMEngine` (add_request + step, one process)",
+    "control": "engined: control socket `POST /v1/generate`",
+    "gateway": "engined: gateway `POST /v1/completions`",
+}
+EXAMPLE = ROOT / "etc" / "examples" / "vllm-cpu.yaml"
+VLLM_PYTHON_ENV = "ENGINED_VLLM_PYTHON"
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine (as the vLLM tier)
+ENGINE = "vllm-0"
+GROUP = "vllm"  # also the gateway's model name (served_model_name defaults to it)
+FREEZE_MAX_TOKENS = 900  # the in-flight request of scenario 3 (prompt + 900 < max_model_len)
+FREEZE_AFTER_CHUNKS = 5  # SIGSTOP once this many streamed tokens have arrived
+START_TIMEOUT_S = 300.0  # a vLLM start on a loaded 2-core box: import, config, weights, warm-up
+HEALTH_POLL_S = 0.05
+# `vllm serve` (its console script fails in the vllm-cpu build: the module it runs), with the
+# engine arguments engined's engine gets (etc/examples/vllm-cpu.yaml; engined sets
+# max_num_seqs from max_batch_size and disable_log_stats by default)
+SERVE_MODULE = "vllm.entrypoints.openai.api_server"
+SERVE_ARGS = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "8",
+              "--disable-log-stats"]
+
+_READY_LOG_RE = re.compile(rf"^\[ready\] {ENGINE} incarnation (\d+) loaded in ([0-9.]+)s", re.M)
+
+
+# --- environment ----------------------------------------------------------------------------------
+def default_vllm_python() -> str:
+    """Not resolved: a venv's python is a symlink, and the venv is only a venv through it."""
+    return os.path.abspath(os.environ.get(VLLM_PYTHON_ENV)
+                           or ROOT / ".venv-vllm" / "bin" / "python")
+
+
+def vllm_versions(python: str) -> str:
+    probe = ("from importlib.metadata import version as v, PackageNotFoundError as E\n"
+             "def get(*names):\n"
+             "    for n in names:\n"
+             "        try:\n"
+             "            return f'{n} {v(n)}'\n"
+             "        except E:\n"
+             "            pass\n"
+             "    return '?'\n"
+             "print(get('vllm-cpu', 'vllm') + ', ' + get('torch'))")
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60,
+                          cwd="/tmp", env=without_engined_vars(None, "PYTHONPATH"))
+    if done.returncode != 0:
+        raise BenchError(f"{python} does not run: {done.stderr[-500:]}")
+    return done.stdout.strip()
+
+
+def engine_spec(python: str, cache: Path) -> dict[str, Any]:
+    """etc/examples/vllm-cpu.yaml's engine (backend, engine_args, env), one replica, 1 thread,
+    max_batch_size 8 (vLLM's max_num_seqs), as the vLLM test tier runs it."""
+    (example,) = yaml.safe_load(EXAMPLE.read_text())["engines"]
+    env = {**example.get("env", {}), **VLLM_ENV, "ENGINED_CACHE_DIR": str(cache)}
+    return {**example, "name": GROUP, "replicas": 1, "python": python, "threads": 1,
+            "max_batch_size": 8, "env": env}
+
+
+def direct_config(spec: dict[str, Any]) -> dict[str, Any]:
+    """The EngineConfig the daemon would give replica 0 of `spec` (endpoints unused)."""
+    return {"name": "direct", "group": "direct", "rank": 0, "replicas": 1, "incarnation": 1,
+            "model": spec["model"], "dtype": None, "gpus": [], "data_parallel": False,
+            "max_batch_size": spec["max_batch_size"], "threads": spec["threads"],
+            "control_endpoint": "", "request_endpoint": "", "heartbeat_interval_s": 1.0,
+            "python": spec["python"], "backend": spec["backend"],
+            "engine_args": dict(spec.get("engine_args") or {})}
+
+
+def direct_env(spec: dict[str, Any], pythonpath: str) -> dict[str, str]:
+    """An engine child's environment as engined's exec launcher builds it
+    (`launcher.child_environment`: thread bounds, offline, no GPU, the spec's env, the engine
+    package on PYTHONPATH), minus the marks that make a process one of a daemon's engines."""
+    from engined.engine.protocol import EngineConfig
+    from engined.supervisor.launcher import child_environment
+
+    base = without_engined_vars(None, "WATCHDOG_USEC", "WATCHDOG_PID", "PYTHONPATH")
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(base)
+        env = child_environment(EngineConfig(**direct_config(spec)), spec["env"], pythonpath)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return {k: v for k, v in env.items()
+            if not k.startswith("ENGINED_") or k in spec["env"] or k == "ENGINED_NUM_THREADS"}
+
+
+def serve_env() -> dict[str, str]:
+    """`vllm serve`'s environment: ours without ENGINED_* and PYTHONPATH, the same thread bound,
+    KV cache size and offline switches as the engine child, usage stats off (engined's default
+    for its vLLM engines too)."""
+    env = without_engined_vars(None, "WATCHDOG_USEC", "WATCHDOG_PID", "PYTHONPATH")
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
+                "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1", **VLLM_ENV})
+    return env
+
+
+# --- the daemon -----------------------------------------------------------------------------------
+class Daemon(BenchDaemon):
+    """engined with one vLLM replica (`vllm-0`) in /tmp/evXXXXXXXX, the gateway and the HTTP
+    endpoint on free loopback ports (tests/driver.py's Daemon through bench.common.BenchDaemon:
+    immediate restarts, 1 s heartbeats, 10 s heartbeat timeout)."""
+
+    log_lines = 30
+    log_engines = (ENGINE,)
+
+    def __init__(self, spec: dict[str, Any], tracker: Tracker) -> None:
+        self.gateway_port, self.http_port = free_port(), free_port()
+        super().__init__("ev", tracker, [spec], http=f"127.0.0.1:{self.http_port}",
+                         status_timeout_s=10.0,
+                         supervisor={"gateway": f"127.0.0.1:{self.gateway_port}"})
+        self.engine_log = self.log_path(ENGINE)
+
+    def start(self, timeout_s: float = START_TIMEOUT_S, interval_s: float = 0.05) -> None:
+        super().start(timeout_s, interval_s)
+
+    def wait_ready(self, min_incarnation: int, timeout_s: float = START_TIMEOUT_S,
+                   interval_s: float = 0.02, name: str | None = None) -> dict[str, Any]:
+        return super().wait_ready(min_incarnation, timeout_s, interval_s, name)
+
+    def child_load_s(self, incarnation: int) -> float | None:
+        """The child's own import → warm-up time, from its `[ready]` log line."""
+        for inc, load_s in _READY_LOG_RE.findall(self.engine_log.read_text(errors="replace")):
+            if int(inc) == incarnation:
+                return float(load_s)
+        return None
+
+
+def http_status(port: int, path: str = "/health", timeout_s: float = 1.0) -> int | None:
+    """One GET on its own connection: the status, or None (refused, reset, timed out)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+def post_json(port: int, path: str, body: dict[str, Any], timeout_s: float = 120.0
+              ) -> tuple[int, dict[str, Any]]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"{}")
+    finally:
+        conn.close()
+
+
+class SSEStream(threading.Thread):
+    """A streamed `/v1/completions` on its own thread: the arrival time of every token event, how
+    it ended (finish reason and usage, or the error)."""
+
+    def __init__(self, port: int, body: dict[str, Any], timeout_s: float = 300.0) -> None:
+        super().__init__(daemon=True)
+        self.port, self.timeout_s = port, timeout_s
+        self.body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        self.token_times: list[float] = []
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.ended_at: float | None = None
+        self.conn: http.client.HTTPConnection | None = None
+
+    def run(self) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout_s)
+        try:
+            self.conn.request("POST", "/v1/completions", json.dumps(self.body),
+                              {"Content-Type": "application/json"})
+            response = self.conn.getresponse()
+            if response.status != 200:
+                self.error = f"HTTP {response.status}: {response.read()[:300]!r}"
+                return
+            while True:
+                line = response.readline()
+                if not line:
+                    break
+                line = line.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:]
+                if data == b"[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    self.error = str(event["error"])[:300]
+                    continue
+                if event.get("usage"):
+                    self.usage = event["usage"]
+                for choice in event.get("choices") or []:
+                    if choice.get("text"):
+                        self.token_times.append(time.time())
+                    if choice.get("finish_reason"):
+                        self.finish = choice["finish_reason"]
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            self.error = self.error or f"{type(exc).__name__}: {exc}"
+        finally:
+            self.ended_at = time.time()
+            self.conn.close()
+
+    def tokens_after(self, t: float) -> int:
+        return sum(1 for x in self.token_times if x > t)
+
+
+# --- 1. overhead ----------------------------------------------------------------------------------
+@dataclass
+class Round:
+    elapsed_s: float
+    latencies_s: list[float]
+    tokens: list[int]
+    finish: list[str]
+    engine_s: float | None = None  # control: the slowest request's arrival → finish in the child
+
+
+class DirectWorker:
+    """`VLLM_PYTHON -m bench.vllm_direct CONFIG`: LLMEngine in one process, over stdin/stdout."""
+
+    def __init__(self, python: str, spec: dict[str, Any], pythonpath: str, log: Path,
+                 tracker: Tracker) -> None:
+        self.log = open(log, "wb")
+        self.log_path = log
+        self.proc = subprocess.Popen(
+            [python, "-m", "bench.vllm_direct", json.dumps(direct_config(spec))], cwd=ROOT,
+            env=direct_env(spec, pythonpath), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, text=True)
+        tracker.add(self.proc.pid)
+        assert self.proc.stdout is not None
+        self.lines = stream_lines(self.proc.stdout)
+        self.info: dict[str, Any] = {}
+
+    def _line(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            (line,) = read_until(self.lines, "{", timeout_s)[-1:]
+        except AssertionError as exc:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-20:]
+            raise BenchError(f"direct worker: {exc}; exit {self.proc.poll()}\n"
+                             + "\n".join(tail)) from None
+        return json.loads(line)
+
+    def wait_ready(self) -> dict[str, Any]:
+        self.info = self._line(START_TIMEOUT_S)
+        if not self.info.get("ready"):
+            raise BenchError(f"direct worker did not start: {self.info}")
+        return self.info
+
+    def run(self, prompts: list[str], max_tokens: int) -> Round:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        out = self._line(120)
+        return Round(out["elapsed_s"], out["latencies_s"], out["tokens"], out["finish"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()  # its stop signal: EOF on stdin
+            terminate(self.proc, 30, sig=None)
+        self.log.close()
+
+
+async def control_round(session: Any, prompts: list[str], max_tokens: int) -> Round:
+    async def one(prompt: str) -> tuple[float, dict[str, Any]]:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "engine": ENGINE}
+        started = time.perf_counter()
+        async with session.post("http://engined/v1/generate", json=body) as resp:
+            data = await resp.json()
+            if resp.status != 200:
+                raise BenchError(f"POST /v1/generate: HTTP {resp.status}: {data}")
+        return time.perf_counter() - started, data
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    elapsed = time.perf_counter() - started
+    return Round(elapsed, [lat for lat, _ in results],
+                 [d["completion_tokens"] for _, d in results],
+                 [d["finish_reason"] for _, d in results],
+                 engine_s=max(d["queue_s"] + d["compute_s"] for _, d in results))
+
+
+async def gateway_round(session: Any, port: int, prompts: list[str], max_tokens: int) -> Round:
+    async def one(prompt: str) -> tuple[float, dict[str, Any]]:
+        body = {"model": GROUP, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        started = time.perf_counter()
+        async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+            data = await resp.json()
+            if resp.status != 200:
+                raise BenchError(f"POST /v1/completions: HTTP {resp.status}: {data}")
+        return time.perf_counter() - started, data
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    elapsed = time.perf_counter() - started
+    return Round(elapsed, [lat for lat, _ in results],
+                 [d["usage"]["completion_tokens"] for _, d in results],
+                 [d["choices"][0]["finish_reason"] for _, d in results])
+
+
+Results = dict[tuple[str, int, int], list[Round]]  # (path, concurrency, max_tokens) -> rounds
+
+
+async def overhead(daemon: Daemon, worker: DirectWorker, rounds: int) -> Results:
+    """Every (max_tokens, concurrency) in turn, its three paths in a rotating order."""
+    import aiohttp
+
+    res: Results = {(p, c, m): [] for p in PATHS for c in CONCURRENCY for m in MAX_TOKENS}
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=daemon.socket),
+                                     timeout=timeout) as control, \
+            aiohttp.ClientSession(timeout=timeout) as gateway:
+        for i in range(WARMUP_ROUNDS + rounds):
+            for m in MAX_TOKENS:
+                for c in CONCURRENCY:
+                    prompts = PROMPTS[:c]
+                    k = i % len(PATHS)
+                    for path in PATHS[k:] + PATHS[:k]:
+                        if path == "direct":
+                            sample = await asyncio.to_thread(worker.run, prompts, m)
+                        elif path == "control":
+                            sample = await control_round(control, prompts, m)
+                        else:
+                            sample = await gateway_round(gateway, daemon.gateway_port, prompts,
+                                                         m)
+                        if i >= WARMUP_ROUNDS:
+                            res[(path, c, m)].append(sample)
+    return res
+
+
+# --- 2. crash → READY, and `vllm serve` -----------------------------------------------------------
+def crash_to_ready(daemon: Daemon) -> dict[str, float]:
+    """SIGKILL the replica; poll status until READY with a new incarnation."""
+    e = daemon.wait_ready(1)
+    time.sleep(0.2)  # settle (its first heartbeats) before the kill
+    t_kill = time.time()
+    os.kill(e["pid"], signal.SIGKILL)
+    new = daemon.wait_ready(e["incarnation"] + 1)
+    seen = time.time()
+    load_s = daemon.child_load_s(new["incarnation"])
+    return {"ready_s": new["since"] - t_kill, "seen_s": seen - t_kill,
+            "detect_s": new["last_exit"]["at"] - t_kill, "startup_s": new["startup_s"],
+            "load_s": load_s if load_s is not None else float("nan")}
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def engine_core_of(pid: int) -> psutil.Process | None:
+    for proc in descendants(pid):
+        try:
+            if "EngineCore" in proc.name() or "EngineCore" in " ".join(proc.cmdline()):
+                return proc
+        except psutil.Error:
+            pass
+    return None
+
+
+class VllmServe:
+    """`python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs; the console script
+    fails in the vllm-cpu build) on a free loopback port, in its own session, output to a log."""
+
+    def __init__(self, python: str, model: Path, scratch: Path, tracker: Tracker, k: int) -> None:
+        self.python, self.model, self.tracker = python, model, tracker
+        self.port = free_port()
+        self.scratch = scratch
+        self.log_path = scratch / f"serve-{k}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.seen: dict[int, psutil.Process] = {}
+        self.argv = [python, "-m", SERVE_MODULE, "--model", str(model), "--host", "127.0.0.1",
+                     "--port", str(self.port), *SERVE_ARGS]
+
+    def start(self) -> float:
+        """Returns the time.time() right before the spawn."""
+        with open(self.log_path, "wb") as log:
+            t0 = time.time()
+            self.proc = subprocess.Popen(self.argv, cwd=self.scratch, env=serve_env(),
+                                         stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.tracker.add(self.proc.pid)
+        return t0
+
+    def track(self) -> None:
+        """Every descendant seen goes to the tracker (and to our own list, for stop())."""
+        assert self.proc is not None
+        for p in descendants(self.proc.pid):
+            self.seen.setdefault(p.pid, p)
+            self.tracker.add(p.pid)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+    def wait_health(self, timeout_s: float = START_TIMEOUT_S) -> float:
+        """Poll /health every 50 ms (each on a new connection) until 200; its time.time()."""
+        def healthy() -> float | None:
+            if not self.alive():
+                raise BenchError(f"vllm serve exited with {self.proc.returncode}:\n"
+                                 f"{self.log_tail()}")
+            self.track()
+            return time.time() if http_status(self.port) == 200 else None
+        try:
+            return wait_until(healthy, timeout_s, "vllm serve /health 200", HEALTH_POLL_S)
+        except BenchError as exc:
+            raise BenchError(f"{exc}\n{self.log_tail()}") from None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.alive():
+            self.track()
+        for p in self.seen.values():  # a stopped EngineCore could not shut down
+            try:
+                p.send_signal(signal.SIGCONT)
+            except psutil.Error:
+                pass
+        terminate(self.proc, 30)
+        gone, alive = psutil.wait_procs(list(self.seen.values()), timeout=10)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+def serve_freeze(serve: VllmServe, core: psutil.Process, window_s: float) -> dict[str, Any]:
+    """SIGSTOP the EngineCore while a streamed completion runs; poll /health for the window."""
+    stream = SSEStream(serve.port, {"model": str(serve.model), "prompt": PROMPTS[0],
+                                    "max_tokens": FREEZE_MAX_TOKENS, "temperature": 0,
+                                    "ignore_eos": True})
+    stream.start()
+    wait_until(lambda: len(stream.token_times) >= FREEZE_AFTER_CHUNKS or stream.ended_at, 60,
+               "the first tokens of the streamed completion")
+    if stream.ended_at:
+        raise BenchError(f"vllm serve's stream ended early: {stream.error or stream.finish}")
+    t_stop = time.time()
+    core.send_signal(signal.SIGSTOP)
+    polls: list[tuple[float, int | None]] = []
+    try:
+        while (now := time.time()) - t_stop < window_s:
+            polls.append((now - t_stop, http_status(serve.port, timeout_s=2.0)))
+            time.sleep(max(0.0, 0.25 - (time.time() - now)))
+        in_window = stream.tokens_after(t_stop + 0.2)  # 0.2 s: what was already on the wire
+        ended_in_window = stream.ended_at is not None
+    finally:
+        core.send_signal(signal.SIGCONT)
+    t_cont = time.time()
+    stream.join(60)
+    first_bad = next((t for t, status in polls if status != 200), None)
+    return {"window_s": window_s, "polls": len(polls),
+            "ok_polls": sum(1 for _, s in polls if s == 200), "first_bad_s": first_bad,
+            "tokens_in_window": in_window, "ended_in_window": ended_in_window,
+            "after_cont": (f"finished {stream.finish!r} {time.time() - t_cont:.1f} s after "
+                           f"SIGCONT, {len(stream.token_times)} tokens"
+                           if stream.ended_at and not stream.error
+                           else f"error: {stream.error}" if stream.ended_at
+                           else "still open 60 s after SIGCONT")}
+
+
+def serve_run(python: str, model: Path, scratch: Path, tracker: Tracker, k: int,
+              freeze_window_s: float | None) -> dict[str, Any]:
+    """One cold start (spawn → /health 200 → first completion), maybe the freeze test, then
+    SIGKILL of its EngineCore → the API server's exit (vLLM is fail-stop)."""
+    serve = VllmServe(python, model, scratch, tracker, k)
+    out: dict[str, Any] = {}
+    try:
+        t0 = serve.start()
+        out["health_s"] = serve.wait_health() - t0
+        code, body = post_json(serve.port, "/v1/completions",
+                               {"model": str(model), "prompt": PROMPTS[0],
+                                "max_tokens": MAX_TOKENS[0], "temperature": 0})
+        if code != 200:
+            raise BenchError(f"vllm serve completion: HTTP {code}: {body}")
+        out["first_completion_s"] = time.time() - t0
+        serve.track()
+        core = engine_core_of(serve.proc.pid)  # type: ignore[union-attr]
+        if core is None:
+            raise BenchError(f"no EngineCore under vllm serve: {descendants(serve.proc.pid)}")
+        out["tree"] = sorted({p.name() for p in descendants(serve.proc.pid)})
+        if freeze_window_s is not None:
+            out["freeze"] = serve_freeze(serve, core, freeze_window_s)
+            time.sleep(0.5)
+        t_kill = time.time()
+        core.kill()
+        health_down = None
+        while serve.alive() and time.time() - t_kill < 60:
+            status = http_status(serve.port, timeout_s=1.0)
+            if health_down is None and status != 200:
+                health_down = time.time() - t_kill
+            time.sleep(0.05)
+        out["exit_s"] = time.time() - t_kill if not serve.alive() else None
+        out["exit_code"] = serve.proc.poll()  # type: ignore[union-attr]
+        out["health_down_s"] = health_down
+    finally:
+        serve.stop()
+    return out
+
+
+# --- 3. a frozen engine core under engined --------------------------------------------------------
+def engined_freeze(daemon: Daemon) -> dict[str, Any]:
+    """SIGSTOP the engine child while a streamed gateway completion runs on it; poll the daemon's
+    /health and status until the replacement is READY; wait for the request to finish."""
+    e = daemon.wait_ready(1)
+    wait_until(lambda: daemon.engine()["heartbeat_age_s"] is not None, 30, "a first heartbeat",
+               0.05)
+    old_pid, old_inc = e["pid"], e["incarnation"]
+    stream = SSEStream(daemon.gateway_port, {"model": GROUP, "prompt": PROMPTS[0],
+                                             "max_tokens": FREEZE_MAX_TOKENS,
+                                             "temperature": 0})
+    stream.start()
+    wait_until(lambda: len(stream.token_times) >= FREEZE_AFTER_CHUNKS or stream.ended_at, 60,
+               "the first tokens of the streamed completion")
+    if stream.ended_at:
+        raise BenchError(f"the gateway stream ended early: {stream.error or stream.finish}")
+    t_stop = time.time()
+    os.kill(old_pid, signal.SIGSTOP)
+    health_bad = None
+    try:
+        def replaced() -> dict[str, Any] | None:
+            nonlocal health_bad
+            if health_bad is None and http_status(daemon.http_port) != 200:
+                health_bad = time.time() - t_stop
+            daemon.check_alive()
+            now = daemon.engine()
+            return now if now["state"] == "READY" and now["incarnation"] > old_inc else None
+        new = wait_until(replaced, START_TIMEOUT_S, f"{ENGINE} READY after SIGSTOP", 0.05)
+    finally:
+        if not process_gone(old_pid):  # the daemon kills it; never leave a stopped process
+            os.kill(old_pid, signal.SIGKILL)
+    daemon.tracker.add(new["pid"])
+    stream.join(120)
+    last = new["last_exit"] or {}
+    usage = stream.usage or {}
+    return {"detect_s": last.get("at", float("nan")) - t_stop, "reason": last.get("reason"),
+            "signal": last.get("signal"), "health_bad_s": health_bad,
+            "ready_s": new["since"] - t_stop,
+            "request": ("finished" if stream.ended_at and not stream.error else
+                        f"error: {stream.error}" if stream.ended_at else "still open"),
+            "request_finish": stream.finish, "request_tokens": usage.get("completion_tokens"),
+            "request_done_s": (stream.ended_at - t_stop) if stream.ended_at else None,
+            "tokens_before_stop": sum(1 for t in stream.token_times if t <= t_stop)}
+
+
+# --- report helpers -------------------------------------------------------------------------------
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile, linearly interpolated between order statistics."""
+    vals = sorted(values)
+    pos = (len(vals) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(vals) - 1)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def ms(seconds: float | None, digits: int = 1) -> str:
+    return "–" if seconds is None else f"{seconds * 1e3:.{digits}f} ms"
+
+
+def sec(seconds: float | None, digits: int = 2) -> str:
+    return "–" if seconds is None else f"{seconds:.{digits}f} s"
+
+
+def signed_pct(value: float) -> str:
+    return f"{value:+.1f} %"
+
+
+def round_med(rounds: list[Round]) -> float:
+    return statistics.median(r.elapsed_s for r in rounds)
+
+
+def round_min(rounds: list[Round]) -> float:
+    return min(r.elapsed_s for r in rounds)
+
+
+def overhead_pct(res: Results, path: str, c: int, m: int, fastest: bool = False) -> float:
+    pick = min if fastest else statistics.median
+    mine = pick(r.elapsed_s for r in res[(path, c, m)])
+    direct = pick(r.elapsed_s for r in res[("direct", c, m)])
+    return 100 * (mine / direct - 1)
+
+
+def fit(res: Results, path: str, c: int, fastest: bool = False
+        ) -> tuple[float, float, float, float]:
+    """Δ(m) = engined − direct round time (medians, or the fastest rounds) at the two
+    max_tokens; a line through them: (Δ(m1), Δ(m2), intercept per round, slope per token
+    position)."""
+    (m1, m2) = MAX_TOKENS
+    pick = round_min if fastest else round_med
+    d1 = pick(res[(path, c, m1)]) - pick(res[("direct", c, m1)])
+    d2 = pick(res[(path, c, m2)]) - pick(res[("direct", c, m2)])
+    slope = (d2 - d1) / (m2 - m1)
+    return d1, d2, d1 - slope * m1, slope
+
+
+# --- report ---------------------------------------------------------------------------------------
+def report_overhead(r: Report, res: Results, rounds: int, dtypes: dict[str, str]) -> dict:
+    r("## 1. Serving overhead: engined vs the same `LLMEngine` driven directly (one replica, "
+      "CPU, 1 thread, greedy)", "",
+      *table("concurrency", "max_tokens", "path", "requests/s", "tokens/s", "round time median",
+             "latency p50", "latency p95", "tokens/request", "n rounds"))
+    counts_exact = True
+    for c in CONCURRENCY:
+        for m in MAX_TOKENS:
+            for path in PATHS:
+                rs = res[(path, c, m)]
+                lats = [x for s in rs for x in s.latencies_s]
+                toks = [t for s in rs for t in s.tokens]
+                counts_exact &= all(t == m for t in toks)
+                rm = round_med(rs)
+                r(f"| {c} | {m} | {PATH_LABELS[path]} | {c / rm:.1f} | "
+                  f"{statistics.median(sum(s.tokens) / s.elapsed_s for s in rs):.0f} | "
+                  f"{ms(rm)} | {ms(pct(lats, 0.5))} | {ms(pct(lats, 0.95))} | "
+                  f"{statistics.mean(toks):.1f} | {len(rs)} |")
+    finishes = sorted({f for rs in res.values() for s in rs for f in s.finish})
+    r("", f"Every request generated exactly max_tokens: {'yes' if counts_exact else 'NO'} "
+      f"(finish reasons seen: {', '.join(finishes)}). Our protocol has no `ignore_eos`; "
+      f"tiny-llama's random weights give the eos token a zero output row, so greedy decoding "
+      f"never picks it. dtype: engined's engine {dtypes.get('engined')}, direct "
+      f"{dtypes.get('direct')}.", "")
+
+    r(*table("concurrency", "max_tokens", "path", "overhead: round time vs direct (medians)",
+             "same, fastest rounds (min vs min)", "latency p50 vs direct",
+             "outside the engine child (round − slowest request's life in the child)",
+             f"target at 8 (< {OVERHEAD_TARGET_PCT:g} %, medians)"))
+    verdicts = {}
+    for c in CONCURRENCY:
+        for m in MAX_TOKENS:
+            direct_p50 = pct([x for s in res[("direct", c, m)] for x in s.latencies_s], 0.5)
+            for path in ("control", "gateway"):
+                rs = res[(path, c, m)]
+                over = overhead_pct(res, path, c, m)
+                p50 = pct([x for s in rs for x in s.latencies_s], 0.5)
+                outside = (ms(statistics.median(s.elapsed_s - s.engine_s for s in rs))
+                           if path == "control" else "–")
+                target = "–"
+                if c == 8:
+                    verdicts[(path, m)] = over
+                    target = "PASS" if over < OVERHEAD_TARGET_PCT else "MISS"
+                r(f"| {c} | {m} | {PATH_LABELS[path].removeprefix('engined: ')} | "
+                  f"{signed_pct(over)} | {signed_pct(overhead_pct(res, path, c, m, True))} | "
+                  f"{signed_pct(100 * (p50 / direct_p50 - 1))} | {outside} | {target} |")
+
+    r("", *table("path", "concurrency", f"Δ round time at {MAX_TOKENS[0]} tokens (medians)",
+                 f"Δ at {MAX_TOKENS[1]} tokens", "fixed cost per request", "cost per token",
+                 "same from the fastest rounds: per request", "per token"))
+    fits = {}
+    for path in ("control", "gateway"):
+        for c in CONCURRENCY:
+            d1, d2, intercept, slope = fit(res, path, c)
+            _, _, fast_intercept, fast_slope = fit(res, path, c, fastest=True)
+            fits[(path, c)] = (intercept / c, slope / c)
+            r(f"| {PATH_LABELS[path].removeprefix('engined: ')} | {c} | {ms(d1, 2)} | "
+              f"{ms(d2, 2)} | {ms(intercept / c, 2)} | {ms(slope / c, 3)} | "
+              f"{ms(fast_intercept / c, 2)} | {ms(fast_slope / c, 3)} |")
+    r("", f"Rounds: every (max_tokens, concurrency) in turn, its three paths in a rotating order; "
+      f"{WARMUP_ROUNDS} warm-up rounds dropped, {rounds} measured. A round is `concurrency` "
+      f"requests sent at once (aiohttp: one keep-alive session on the control socket, one on "
+      f"the gateway's TCP port), timed from the first send to the last answer; latency is each "
+      f"request's send → answer. The direct round is the same prompts tokenized and added to "
+      f"the worker's LLMEngine at once, then `step()` until none is unfinished (latency: until "
+      f"the step that finished it). Δ is engined's median round time minus direct's; the line "
+      f"through Δ at the two max_tokens gives the fixed cost (intercept) and the cost per "
+      f"token position (slope); at 8 concurrent both are divided by 8 (per request, per "
+      f"generated token), so they are amortised over a batch. On a shared box load from other "
+      f"processes only adds time, so the fastest rounds (min vs min) are the less noisy "
+      f"comparison; a slope this small is within the noise of the medians, and may come out "
+      f"negative.", "")
+    return {"verdicts": verdicts, "fits": fits}
+
+
+def dist_row(label: str, values: list[float]) -> str:
+    vals = [v for v in values if v is not None and v == v]
+    if not vals:
+        return f"| {label} | – | – | 0 |"
+    return (f"| {label} | {statistics.median(vals):.2f} s | {min(vals):.2f}–{max(vals):.2f} s | "
+            f"{len(vals)} |")
+
+
+def report_crash(r: Report, crashes: list[dict], serves: list[dict]) -> dict[str, float]:
+    tree = ", ".join(serves[0]["tree"]) if serves else "?"
+    r("## 2. Crash → READY: engined's restart vs a cold start of `vllm serve`", "",
+      *table("measure", "median", "min–max", "n"),
+      dist_row("engined: SIGKILL → READY (daemon's `since`)", [c["ready_s"] for c in crashes]),
+      dist_row("engined: SIGKILL → READY seen by a 20 ms status poll",
+               [c["seen_s"] for c in crashes]),
+      dist_row("… of which SIGKILL → exit recorded (`last_exit.at`)",
+               [c["detect_s"] for c in crashes]),
+      dist_row("… of which spawn → READY (`startup_s`)", [c["startup_s"] for c in crashes]),
+      dist_row("… of which the child's import → warm-up (its `[ready]` line)",
+               [c["load_s"] for c in crashes]),
+      dist_row("`vllm serve` cold start: spawn → `/health` 200",
+               [s["health_s"] for s in serves]),
+      dist_row(f"`vllm serve` cold start: spawn → first completion ({MAX_TOKENS[0]} tokens) "
+               f"answered", [s["first_completion_s"] for s in serves]),
+      dist_row("`vllm serve`: SIGKILL of its EngineCore → `/health` stops answering 200",
+               [s["health_down_s"] for s in serves]),
+      dist_row("`vllm serve`: SIGKILL of its EngineCore → the API server has exited",
+               [s["exit_s"] for s in serves]), "")
+    crash = statistics.median(c["ready_s"] for c in crashes)
+    cold = statistics.median(s["health_s"] for s in serves)
+    exits = [s["exit_s"] for s in serves if s["exit_s"] is not None]
+    outer = cold + statistics.median(exits) if exits else None
+    r(f"Crash → READY under engined: median {crash:.2f} s; a cold `vllm serve` to `/health` 200: "
+      f"{cold:.2f} s, {cold / crash:.2f}× engined's restart. vLLM is fail-stop: after its "
+      f"EngineCore is SIGKILLed the API server exits (codes: "
+      f"{', '.join(str(s['exit_code']) for s in serves)}), and only then can an outer "
+      f"supervisor start a new one: "
+      + (f"exit + cold start = {outer:.2f} s, {outer / crash:.2f}× engined's SIGKILL → READY."
+         if outer is not None else "it did not exit within 60 s.")
+      + f" `vllm serve` is an API server process plus its children ({tree}), and the API "
+      f"server, the EngineCore and the worker each import vLLM in turn; engined's restart is "
+      f"one fresh interpreter (the exec launcher) that imports vLLM and builds LLMEngine "
+      f"in-process. Scenario 2 kills the engine idle; the cold starts and the kills alternate.",
+      "")
+    return {"crash": crash, "cold": cold, "outer": outer if outer is not None else float("nan")}
+
+
+def report_freeze(r: Report, freezes: list[dict], serve_freeze_: dict | None,
+                  heartbeat_timeout: str) -> None:
+    r("## 3. A frozen engine core (SIGSTOP, a streamed request in flight)", "",
+      *table("measure", "median", "min–max", "n"),
+      dist_row("engined: SIGSTOP → its `/health` stops answering 200 (hang declared)",
+               [f["health_bad_s"] for f in freezes]),
+      dist_row("engined: SIGSTOP → killed as hung, exit recorded (`last_exit.at`)",
+               [f["detect_s"] for f in freezes]),
+      dist_row("engined: SIGSTOP → READY again (`since`)", [f["ready_s"] for f in freezes]),
+      dist_row("engined: SIGSTOP → the in-flight gateway request finished",
+               [f["request_done_s"] for f in freezes]), "")
+    reasons = ", ".join(sorted({f"{f['reason']}/{f['signal']}" for f in freezes}))
+    outcomes = "; ".join(f"{f['request']} ({f['request_finish']}, {f['request_tokens']} of "
+                         f"{FREEZE_MAX_TOKENS} tokens, {f['tokens_before_stop']} before the "
+                         f"stop)" for f in freezes)
+    r(f"engined: `last_exit` reason/signal: {reasons}; the in-flight request (streamed "
+      f"`/v1/completions` through the gateway, max_tokens {FREEZE_MAX_TOKENS}): {outcomes}.", "")
+    r(*table("`vllm serve`, EngineCore SIGSTOPped", "result"))
+    if serve_freeze_ is None:
+        r("| (not run) | – |", "")
+        return
+    f = serve_freeze_
+    window = f"{f['window_s']:g} s"
+    r("| `/health` stops answering 200 | "
+      + (f"after {f['first_bad_s']:.2f} s" if f["first_bad_s"] is not None
+         else f"never within {window}") + " |",
+      f"| `/health` polls answered 200 (every 0.25 s) | {f['ok_polls']} of {f['polls']} |",
+      f"| tokens of the in-flight completion received in the window (after the first 0.2 s) | "
+      f"{f['tokens_in_window']} of {FREEZE_MAX_TOKENS}"
+      + (" (the request ended)" if f["ended_in_window"] else ", the request hangs") + " |",
+      f"| after SIGCONT | {f['after_cont']} |", "")
+    r(f"engined detects the frozen core by its missing heartbeats (heartbeat_timeout "
+      f"{heartbeat_timeout}, counted from the last heartbeat, which came up to one 1 s interval "
+      f"before the stop: detection lands between the timeout minus one interval and the "
+      f"timeout), kills its process group and restarts it (a full vLLM start, as in "
+      f"scenario 2); the gateway moves the request to "
+      f"the replacement, which resumes after the tokens already delivered. `vllm serve`'s "
+      f"`/health` fails only once its EngineCore process has died (vLLM 0.32: a thread "
+      f"watches the process's liveness and `check_health` reads the flag it sets): a stopped "
+      f"core keeps `/health` at 200 while the request makes no progress, so an outer "
+      f"supervisor's `/health` probe never restarts it.", "")
+
+
+def report_summary(r: Report, over: dict, crash: dict[str, float], freezes: list[dict],
+                   serve_freeze_: dict | None) -> None:
+    r("## Summary", "", *table("target / measure", "engined", "baseline", "result"))
+    for (path, m), value in sorted(over["verdicts"].items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        verdict = ("PASS" if value < OVERHEAD_TARGET_PCT
+                   else f"MISS by {value - OVERHEAD_TARGET_PCT:.1f} points")
+        r(f"| overhead at 8 concurrent < {OVERHEAD_TARGET_PCT:g} %, max_tokens {m}, "
+          f"{PATH_LABELS[path].removeprefix('engined: ')} | {signed_pct(value)} | direct "
+          f"LLMEngine | {verdict} |")
+    r(f"| crash → READY vs `vllm serve` cold start to `/health` 200 | {crash['crash']:.2f} s | "
+      f"{crash['cold']:.2f} s | report only: {crash['cold'] / crash['crash']:.2f}× |")
+    if crash["outer"] == crash["outer"]:
+        r(f"| … with `vllm serve`'s own exit after an EngineCore SIGKILL | {crash['crash']:.2f} s "
+          f"| {crash['outer']:.2f} s | report only: {crash['outer'] / crash['crash']:.2f}× |")
+    detect = med(f["detect_s"] for f in freezes)
+    base = ("–" if serve_freeze_ is None else
+            f"{serve_freeze_['first_bad_s']:.2f} s" if serve_freeze_["first_bad_s"] is not None
+            else f"never within {serve_freeze_['window_s']:g} s")
+    r(f"| frozen core (SIGSTOP) detected | {sec(detect)} | `/health`: {base} | report only |", "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.vllm",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="6 rounds, 2 kills, 1 cold start, 1 freeze, a 10 s window")
+    parser.add_argument("--out", default=None, help="default bench/results/vllm.md "
+                        "(--quick: bench/results/vllm-quick.md)")
+    parser.add_argument("--rounds", type=int, default=None, help="overhead rounds (default 40)")
+    parser.add_argument("-n", "--kills", type=int, default=None,
+                        help="SIGKILLs of the engine (default 5)")
+    parser.add_argument("--serves", type=int, default=None,
+                        help="cold starts of vllm serve (default 3)")
+    parser.add_argument("--freezes", type=int, default=None,
+                        help="SIGSTOPs of the engine under engined (default 3)")
+    parser.add_argument("--window", type=float, default=None,
+                        help="seconds vllm serve's /health is polled with its EngineCore "
+                             "stopped (default 30)")
+    parser.add_argument("--vllm-python", default=None,
+                        help=f"the vLLM venv's interpreter (default ${VLLM_PYTHON_ENV}, else "
+                             f"<repo>/.venv-vllm/bin/python)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="ENGINED_CACHE_DIR for the model (default: a fresh temporary one)")
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (6 if args.quick else 40)
+    kills = args.kills or (2 if args.quick else 5)
+    n_serves = args.serves or (1 if args.quick else 3)
+    n_freezes = args.freezes or (1 if args.quick else 3)
+    window = args.window or (10.0 if args.quick else 30.0)
+    python = args.vllm_python or default_vllm_python()
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise SystemExit(f"no vLLM interpreter at {python} (--vllm-python, or set "
+                         f"{VLLM_PYTHON_ENV}; see the README, \"Run vLLM under engined\")")
+    out = Path(args.out) if args.out else default_out("vllm", args.quick)
+
+    r, tracker = Report(), Tracker()
+    cleanup = Cleanup(tracker)
+    scratch = cleanup.scratch("evb")
+    cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="engined-bench-cache-"))
+    if args.cache_dir is None:
+        cleanup.dirs.append(cache)
+    try:
+        load_before = os.getloadavg()
+        r(f"# engined vLLM benchmark{' (--quick)' if args.quick else ''}", "",
+          *machine_lines(), engined_revision(),
+          f"- vLLM interpreter: {python} ({vllm_versions(python)})",
+          f"- load average at start: {load_before[0]:.2f} (1 min)",
+          f"- overhead rounds: {rounds}; engine kills: {kills}; `vllm serve` cold starts: "
+          f"{n_serves}; freezes: {n_freezes}, `vllm serve` window {window:g} s", "")
+        checkpoint = build_checkpoint(cache)  # untimed, exactly as an engine would on first use
+        spec = engine_spec(python, cache)
+        args_text = ", ".join(f"{k}: {v}" for k, v in spec["engine_args"].items())
+        r(f"- model: builtin:tiny-llama ({checkpoint.name}, random weights), `backend: vllm`, "
+          f"engine_args {{{args_text}}}, threads 1, max_batch_size 8 (max_num_seqs), "
+          f"VLLM_CPU_KVCACHE_SPACE={VLLM_ENV['VLLM_CPU_KVCACHE_SPACE']}; daemon heartbeats "
+          f"every {HEARTBEATS['heartbeat_interval']}, heartbeat_timeout "
+          f"{HEARTBEATS['heartbeat_timeout']}, restarts immediate (backoff 0)", "")
+
+        # Scenario 1: the direct worker builds while the daemon starts (both untimed).
+        from engined.supervisor.launcher import expose_engine_package
+
+        pythonpath = expose_engine_package(scratch / "python")
+        worker = DirectWorker(python, spec, pythonpath, scratch / "direct.log", tracker)
+        cleanup.started.append(worker)  # started by its constructor
+        daemon = cleanup.start(Daemon(spec, tracker))
+        dtypes = {"direct": worker.wait_ready()["dtype"], "engined": daemon.engine()["dtype"]}
+        res = asyncio.run(overhead(daemon, worker, rounds))
+        cleanup.stop(worker)  # its memory back before the next vLLM processes start
+
+        # Scenario 2 (and `vllm serve`'s half of 3): engine kills and cold starts interleaved.
+        crashes, serves = [], []
+        for i in range(max(kills, n_serves)):
+            if i < kills:
+                crashes.append(crash_to_ready(daemon))
+            if i < n_serves:
+                serves.append(serve_run(python, checkpoint, scratch, tracker, i,
+                                        window if i == 0 else None))
+        # Scenario 3: engined's half.
+        freezes = [engined_freeze(daemon) for _ in range(n_freezes)]
+    finally:
+        leftovers = cleanup.close()
+
+    over = report_overhead(r, res, rounds, dtypes)
+    crash = report_crash(r, crashes, serves)
+    serve_freeze_ = serves[0].get("freeze") if serves else None
+    report_freeze(r, freezes, serve_freeze_, HEARTBEATS["heartbeat_timeout"])
+    report_summary(r, over, crash, freezes, serve_freeze_)
+    r(f"- `vllm serve` ran as `VLLM_PYTHON -m {SERVE_MODULE} --model DIR --host 127.0.0.1 "
+      f"--port PORT {' '.join(SERVE_ARGS)}` (OMP_NUM_THREADS=1, VLLM_CPU_KVCACHE_SPACE="
+      f"{VLLM_ENV['VLLM_CPU_KVCACHE_SPACE']}, offline, its own session, cwd a scratch dir)",
+      f"- load average at end: {os.getloadavg()[0]:.2f} (1 min); processes left over and killed "
+      f"by pid: {leftovers or 'none'}")
+    r.write(out)
+    return 0  # a report, not a gate: the verdict is in the table
+
+
+if __name__ == "__main__":
+    sys.exit(main())

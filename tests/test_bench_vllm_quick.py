@@ -1,0 +1,154 @@
+"""The vLLM benchmark runs once, in its quick mode, so that it cannot rot.
+
+`python -m bench.vllm --quick` in a subprocess (about 2-3 minutes on a 2-core box): it must exit 0
+and write every table with every row. Nothing here asserts wall-clock speed (benchmarks report,
+tests don't time), nor whether a target passed: only that each verdict is PASS or MISS.
+
+It needs the vLLM venv, found as the vLLM tier finds it (tests/vllm/conftest.py):
+ENGINED_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python. Without it the test skips, except under
+CI=true, where it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.bench, pytest.mark.vllm, pytest.mark.timeout(1200)]
+TIMEOUT_S = 900  # a bound, not a timing assertion: the quick run takes ~2-3 min
+
+VLLM_PYTHON_ENV = "ENGINED_VLLM_PYTHON"
+DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+_PROBE = ("import importlib.util as u; "
+          "print(all(u.find_spec(m) is not None for m in ('vllm', 'torch', 'zmq', 'msgspec')))")
+
+PATHS = ("direct `LLMEngine` (add_request + step, one process)",
+         "engined: control socket `POST /v1/generate`",
+         "engined: gateway `POST /v1/completions`")
+CRASH_ROWS = ("engined: SIGKILL → READY (daemon's `since`)",
+              "engined: SIGKILL → READY seen by a 20 ms status poll",
+              "… of which SIGKILL → exit recorded (`last_exit.at`)",
+              "… of which spawn → READY (`startup_s`)",
+              "… of which the child's import → warm-up (its `[ready]` line)",
+              "`vllm serve` cold start: spawn → `/health` 200",
+              "`vllm serve` cold start: spawn → first completion",
+              "`vllm serve`: SIGKILL of its EngineCore → `/health` stops answering 200",
+              "`vllm serve`: SIGKILL of its EngineCore → the API server has exited")
+FREEZE_ROWS = ("engined: SIGSTOP → its `/health` stops answering 200",
+               "engined: SIGSTOP → killed as hung, exit recorded (`last_exit.at`)",
+               "engined: SIGSTOP → READY again (`since`)",
+               "engined: SIGSTOP → the in-flight gateway request finished")
+SERVE_FREEZE_ROWS = ("`/health` stops answering 200", "`/health` polls answered 200",
+                     "tokens of the in-flight completion received in the window",
+                     "after SIGCONT")
+
+
+def _unavailable(message: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{message} (CI=true: the vLLM benchmark must run)", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    path = os.path.abspath(os.environ.get(VLLM_PYTHON_ENV) or DEFAULT_VLLM_PYTHON)
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        _unavailable(f"no vLLM interpreter at {path} (set {VLLM_PYTHON_ENV}, or create "
+                     f"{DEFAULT_VLLM_PYTHON.parent.parent}: see the README, \"Run vLLM under "
+                     f"engined\")")
+    probe = subprocess.run([path, "-c", _PROBE], capture_output=True, text=True, timeout=60,
+                           cwd=Path(path).parent)
+    if probe.stdout.strip() != "True":
+        _unavailable(f"{path} lacks vllm, torch, pyzmq or msgspec: {probe.stdout.strip()} "
+                     f"{probe.stderr.strip()[-500:]}")
+    return path
+
+
+def sections(text: str) -> dict[str, str]:
+    """Markdown split at `## ` headings: heading (without the `## `) -> body."""
+    parts = re.split(r"^## (.*)$", text, flags=re.M)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def section(secs: dict[str, str], prefix: str) -> str:
+    found = [body for heading, body in secs.items() if heading.startswith(prefix)]
+    assert len(found) == 1, f"expected one section {prefix!r}, headings: {list(secs)}"
+    return found[0]
+
+
+def tables(body: str) -> list[list[list[str]]]:
+    """Each markdown table of a section: its rows (header and separator excluded) as cells."""
+    out: list[list[list[str]]] = []
+    current: list[list[str]] | None = None
+    for line in body.splitlines():
+        if line.startswith("| "):
+            if current is None:
+                current = []
+                out.append(current)
+            current.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        else:
+            current = None
+    return [rows[2:] for rows in out]
+
+
+def has_row(rows: list[list[str]], prefix: str) -> bool:
+    return any(row[0].startswith(prefix) for row in rows)
+
+
+def test_vllm_quick_produces_every_table(tmp_path: Path, vllm_python: str) -> None:
+    out = tmp_path / "vllm.md"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ENGINED_") and k not in ("NOTIFY_SOCKET", "PYTHONPATH")}
+    done = subprocess.run([sys.executable, "-m", "bench.vllm", "--quick", "--vllm-python",
+                           vllm_python, "--out", str(out)], cwd=REPO_ROOT, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    text = out.read_text()
+    assert text in done.stdout.replace("\r", "")  # the same tables were printed
+    assert "processes left over and killed by pid: none" in text, text[-500:]
+    check_report(text)
+
+
+def check_report(text: str) -> None:
+    secs = sections(text)
+    serving, verdicts, costs = tables(section(secs, "1. Serving overhead"))
+    for c in ("1", "8"):
+        for m in ("16", "64"):
+            for path in PATHS:
+                assert any(row[:3] == [c, m, path] for row in serving), (c, m, path, serving)
+            for path in ("control socket", "gateway"):
+                assert any(row[:2] == [c, m] and row[2].startswith(path) for row in verdicts), \
+                    (c, m, path, verdicts)
+        for path in ("control socket", "gateway"):
+            assert any(row[0].startswith(path) and row[1] == c for row in costs), (c, path)
+    assert {row[-1] for row in verdicts if row[0] == "8"} <= {"PASS", "MISS"}, verdicts
+    assert all(row[-1] == "–" for row in verdicts if row[0] == "1"), verdicts
+
+    (crash,) = tables(section(secs, "2. Crash → READY"))
+    for label in CRASH_ROWS:
+        assert has_row(crash, label), f"no row {label!r}: {crash}"
+    # engined's rows and the cold starts always have samples (the others say "–" if, e.g., vLLM
+    # did not exit within the bench's bound)
+    assert all(row[-1] != "0" for row in crash
+               if row[0].startswith(("engined", "…", "`vllm serve` cold start"))), crash
+
+    freeze, serve_freeze = tables(section(secs, "3. A frozen engine core"))
+    for label in FREEZE_ROWS:
+        assert has_row(freeze, label), f"no row {label!r}: {freeze}"
+    assert all(row[-1] != "0" for row in freeze[:3]), freeze
+    for label in SERVE_FREEZE_ROWS:
+        assert has_row(serve_freeze, label), f"no row {label!r}: {serve_freeze}"
+
+    (summary,) = tables(section(secs, "Summary"))
+    overhead_rows = [row for row in summary if row[0].startswith("overhead at 8 concurrent")]
+    assert len(overhead_rows) == 4, summary
+    assert all(row[-1] == "PASS" or row[-1].startswith("MISS") for row in overhead_rows), summary
+    assert has_row(summary, "crash → READY vs `vllm serve` cold start"), summary
+    assert has_row(summary, "frozen core (SIGSTOP) detected"), summary
