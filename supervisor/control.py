@@ -391,13 +391,15 @@ def engine_status(view: EngineView, sample: Sample) -> dict[str, Any]:
         "gpus": list(view.gpus), "rss_bytes": tree.rss_bytes if tree else None,
         "queue": {"waiting": hb.waiting, "running": hb.running} if hb else None,
         "gpu_memory": _gpu_memory(view, sample),
+        "port": view.port,
     }
 
 
 def _gpu_memory(view: EngineView, sample: Sample) -> list[dict[str, Any]]:
     """torch's figures from the heartbeat, joined with NVML's per-process figure per GPU."""
     hb = view.heartbeat
-    nvml = {d.index: d.process_bytes.get(view.pid) for d in sample.gpus} if view.pid else {}
+    tree = sample.trees.get(view.pid) if view.pid is not None else None
+    nvml = {d.index: tree.gpu_bytes(d) for d in sample.gpus} if tree is not None else {}
     torch_by_gpu = {m.gpu: m for m in (hb.gpu_memory if hb else [])}
     rows = []
     for gpu in view.gpus:

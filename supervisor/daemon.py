@@ -32,6 +32,7 @@ from engined.supervisor.http import MetricsEndpoint
 from engined.supervisor.ipc import EngineChannels
 from engined.supervisor.launcher import ChildWatcher, ExecLauncher, expose_engine_package
 from engined.supervisor.loop import LoopMonitor
+from engined.supervisor.probe import ProbeClient
 from engined.supervisor.reaper import Guard, Reaper, become_subreaper
 from engined.supervisor.reload import LIVE_SUPERVISOR_KEYS, ReloadRejected, plan_reload
 from engined.supervisor.replica import Replica, ReplicaDeps
@@ -79,6 +80,7 @@ class Daemon:
         self.sampler = Sampler()
         self.monitor = LoopMonitor(self.clock, grace_s=spec.supervisor.heartbeat_interval_s)
         self.budget = FdBudget(self._starting_children)
+        self.probes = ProbeClient()  # command engines' HTTP probes and progress reads
         self.nofile: int | None = None  # the soft limit engined started with (children's)
         self.watcher = ChildWatcher()  # every child's pidfd; the reaper reaps only others
         self.reaper = Reaper(lambda: self.watcher.pids)
@@ -172,6 +174,13 @@ class Daemon:
         if self.gateway is not None:
             self.gateway.router.changed()
 
+    def _engine_exited(self, name: str, incarnation: int, why: str) -> None:
+        """Fail the requests still on that incarnation now, not at their timeout."""
+        if self.channels is not None:
+            self.channels.fail_engine(name, incarnation, why)
+        if self.gateway is not None:
+            self.gateway.relay.upstream.fail(name, incarnation, why)
+
     def _replica_factory(self, loop: asyncio.AbstractEventLoop
                          ) -> Callable[[EngineSpec, Owner], Replica]:
         assert self.channels is not None
@@ -185,9 +194,10 @@ class Daemon:
             request_endpoint=channels.request_endpoint,
             heartbeat_interval_s=self.spec.supervisor.heartbeat_interval_s,
             heartbeat_timeout_s=self.spec.supervisor.heartbeat_timeout_s,
-            on_exit=lambda name, inc, why: channels.fail_engine(name, inc, why),
+            on_exit=self._engine_exited,
             on_state=self._on_state, monitor=self.monitor, reaper=self.reaper,
-            nvml=self.sampler.nvml)
+            nvml=self.sampler.nvml, probes=self.probes,
+            in_flight=lambda name: self.gateway.router.in_flight(name) if self.gateway else 0)
         return lambda engine, owner: Replica(engine, deps, owner)
 
     async def _serve_control(self) -> web.AppRunner:
@@ -319,6 +329,9 @@ class Daemon:
         self.monitor.stop()
         self._stopping = True
         await self.guard.close()
+        await self.probes.close()
+        if self.gateway is not None:
+            await self.gateway.relay.upstream.close()
         await self.channels.close()
         self.notifier.close()
         log.info("[shutdown] done in %.2fs", time.monotonic() - started)

@@ -250,7 +250,11 @@ class Fleet:
     # --- requests ----------------------------------------------------------------------------
     def pick_engine(self, name: str | None, channels: EngineChannels) -> Replica:
         """A READY replica, the least loaded first, round-robin among equals."""
-        candidates = self.resolve(name) if name else list(self.replicas.values())
+        named = self.resolve(name) if name else list(self.replicas.values())
+        candidates = [r for r in named if not r.spec.is_command]
+        if named and not candidates:
+            raise NoEngineReady(f"{name!r} is a command engine (a server of its own): send its "
+                                f"requests to its port, or through the gateway (openai: true)")
         ready = [r for r in candidates if r.state is EngineState.READY]
         if not ready:
             raise NoEngineReady(f"no READY engine{' in ' + repr(name) if name else ''}")

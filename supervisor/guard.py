@@ -1,10 +1,13 @@
 """`python -m engined.supervisor.guard DAEMON_PID`: outlives a SIGKILLed engined and kills every
 process that carries its mark (see engined.supervisor.reaper).
 
-It blocks on stdin (a pipe whose write end only the daemon holds). EOF comes when the daemon
-exits for any reason: a clean shutdown has stopped every engine already, so nothing is found; a
-SIGKILLed daemon leaves engines (which PR_SET_PDEATHSIG kills) and their descendants that left the
-engine's process group (which nothing else would kill). It kills until none is left, then exits.
+It reads stdin (a pipe whose write end only the daemon holds): the daemon tells it each child it
+spawns (`+PID`: a process-group leader) and each one that exits (`-PID`). EOF comes when the
+daemon exits for any reason: a clean shutdown has stopped every engine already, so nothing is
+found; a SIGKILLed daemon leaves engines (which PR_SET_PDEATHSIG kills), the rest of their
+process groups (a server's engine core, which may have overwritten its environment, and so its
+mark, with a process title), and descendants that left the group (found by their mark). It kills
+until none is left, then exits.
 It imports only the standard library and the contract module: it starts in milliseconds.
 """
 
@@ -48,16 +51,67 @@ def marked_processes(prefix: str) -> list[int]:
     return out
 
 
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(process group, start time in clock ticks since boot) of a live pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2:].split()  # after "pid (comm) ": state is field 3
+    try:
+        return int(fields[2]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def group_members(groups: set[int], born_before: float) -> list[int]:
+    """Live pids in one of `groups` (the daemon's engines' process groups) that started before
+    `born_before` (ticks since boot): a group id is not reused while a member lives, and a
+    process started after the daemon died is no engine's."""
+    own, out = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == own:
+            continue
+        stat = _stat(int(entry))
+        if stat is not None and stat[0] in groups and stat[1] <= born_before:
+            out.append(int(entry))
+    return out
+
+
+def _ticks_now() -> float:
+    with open("/proc/uptime") as f:
+        return float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")
+
+
+def _read_groups(groups: set[int], data: bytes) -> None:
+    """The daemon's lines: `+PID` (a child spawned: a process-group leader), `-PID` (gone)."""
+    for line in data.split():
+        try:
+            pid = int(line[1:])
+        except ValueError:
+            continue
+        if line.startswith(b"+"):
+            groups.add(pid)
+        elif line.startswith(b"-"):
+            groups.discard(pid)
+
+
 def main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     daemon = argv[1]
-    while os.read(0, 4096):
-        pass  # the daemon writes nothing; any data would be ignored
+    groups: set[int] = set()
+    pending = b""
+    while chunk := os.read(0, 4096):
+        pending += chunk
+        complete, _, pending = pending.rpartition(b"\n")
+        _read_groups(groups, complete)
+    died = _ticks_now() + os.sysconf("SC_CLK_TCK")  # one tick of slack either way
     prefix = f"{daemon}/"
     killed: set[int] = set()
     for _ in range(ROUNDS):
-        found = marked_processes(prefix)
+        found = set(marked_processes(prefix)) | set(group_members(groups, died))
         if not found:
             break
         for pid in found:

@@ -11,17 +11,25 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import engined.engine
-from engined.engine.contract import ENV_CONFIG, ENV_NOFILE, ENV_OWNER, ENV_PARENT_PID
+from engined.engine.contract import (
+    CONFIG_LINE_PREFIX,
+    ENV_CONFIG,
+    ENV_NOFILE,
+    ENV_OWNER,
+    ENV_PARENT_PID,
+)
 from engined.engine.protocol import EngineConfig, encode_config
 from engined.supervisor.policy import ExitStatus
 from engined.supervisor.resources import FdBudget
+from engined.supervisor.spec import EngineSpec
 
 # Never let a child see the daemon's systemd plumbing: a child writing to NOTIFY_SOCKET would
 # confuse systemd, and WATCHDOG_* would make it think it is the watched process.
@@ -82,6 +90,8 @@ class Child:
 class Launcher(Protocol):
     def spawn(self, config: EngineConfig, env: Mapping[str, str]) -> Child: ...
 
+    def spawn_command(self, spec: EngineSpec, incarnation: int, port: int | None) -> Child: ...
+
 
 def child_environment(config: EngineConfig, extra: Mapping[str, str], pythonpath: str,
                       nofile: int | None = None) -> dict[str, str]:
@@ -105,6 +115,68 @@ def child_environment(config: EngineConfig, extra: Mapping[str, str], pythonpath
         env[ENV_NOFILE] = str(nofile)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     return env
+
+
+def command_environment(spec: EngineSpec, incarnation: int, port: int | None) -> dict[str, str]:
+    """A command engine's environment: ours minus systemd plumbing and engined's own variables,
+    plus the spec's env, GPU pinning, PORT, and the owner mark. None of the engine child's
+    knobs (thread bounds, offline flags, our PYTHONPATH): the server is not ours."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _STRIPPED_ENV and not k.startswith("ENGINED_")}
+    env.update(spec.env)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    if port is not None:
+        env["PORT"] = str(port)
+    env[ENV_OWNER] = owner_token(spec.name, incarnation)
+    return env
+
+
+def command_argv(spec: EngineSpec, port: int | None) -> list[str]:
+    """The spec's argv with {port} replaced by this spawn's port."""
+    if port is None:
+        return list(spec.command)
+    return [arg.replace("{port}", str(port)) for arg in spec.command]
+
+
+def pick_port(spec: EngineSpec) -> int | None:
+    """This spawn's port: a free loopback port for `auto`, else the spec's, which must be free
+    (a server that cannot bind would only crash-loop; saying which port is taken is better)."""
+    if spec.port is None:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("" if spec.port else "127.0.0.1", spec.port))
+        except OSError as exc:
+            raise OSError(exc.errno, f"port {spec.port} is in use ({exc.strerror})") from None
+        return int(probe.getsockname()[1])
+
+
+# Between posix_spawn and the server: the daemon's death kills the server (PR_SET_PDEATHSIG
+# survives exec), the descriptor limit engined started with is given back, the working directory
+# is set, then exec. A program that cannot be run at all is a configuration error (exit 78 with
+# a `[config]` line), not a crash to retry. Stdlib only, no site (-S): it costs ~20 ms.
+_EXEC_SHIM = """
+import ctypes, os, resource, signal, sys
+parent, nofile, cwd, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+if os.getppid() != parent:
+    sys.exit(1)
+if nofile > 0:
+    try:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
+    except (ValueError, OSError):
+        pass
+try:
+    if cwd:
+        os.chdir(cwd)
+    os.execvp(argv[0], argv)
+except OSError as exc:
+    print(f"PREFIXcannot run {argv[0]}: {exc.strerror}", flush=True)
+    sys.exit(78)
+""".replace("PREFIX", CONFIG_LINE_PREFIX)
 
 
 def owner_token(engine: str, incarnation: int) -> str:
@@ -137,11 +209,22 @@ class ExecLauncher:
         if self.budget is not None:
             self.budget.check_spawn()
         python = config.python or self.python
-        argv = [python, "-m", ENGINE_MODULE]
+        return self._spawn(python, [python, "-m", ENGINE_MODULE],
+                           child_environment(config, env, self.pythonpath, self.nofile))
+
+
+    def spawn_command(self, spec: EngineSpec, incarnation: int, port: int | None) -> Child:
+        """Start a command engine (a server engined did not write) through the exec shim."""
+        if self.budget is not None:
+            self.budget.check_spawn()
+        argv = [sys.executable, "-S", "-c", _EXEC_SHIM, str(os.getpid()), str(self.nofile or 0),
+                spec.cwd or "", *command_argv(spec, port)]
+        return self._spawn(sys.executable, argv, command_environment(spec, incarnation, port))
+
+    def _spawn(self, program: str, argv: list[str], env: dict[str, str]) -> Child:
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         try:
-            pid = os.posix_spawn(python, argv,
-                                 child_environment(config, env, self.pythonpath, self.nofile),
+            pid = os.posix_spawn(program, argv, env,
                                  file_actions=[
                                      (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
                                      (os.POSIX_SPAWN_DUP2, write_fd, 1),
@@ -180,6 +263,7 @@ class ChildWatcher:
 
     def __init__(self) -> None:
         self.pids: set[int] = set()
+        self.on_change: Callable[[int, bool], None] | None = None  # (pid, watched now)
 
     def watch(self, pid: int) -> asyncio.Future[ExitRecord]:
         """Watch `pid` from the running loop (call on the event-loop thread)."""
@@ -189,8 +273,15 @@ class ChildWatcher:
         except BaseException:
             self.pids.discard(pid)
             raise
-        future.add_done_callback(lambda _: self.pids.discard(pid))
+        future.add_done_callback(lambda _: self._gone(pid))
+        if self.on_change is not None:
+            self.on_change(pid, True)
         return future
+
+    def _gone(self, pid: int) -> None:
+        self.pids.discard(pid)
+        if self.on_change is not None:
+            self.on_change(pid, False)
 
 
 def watch_exit(loop: asyncio.AbstractEventLoop, pid: int) -> asyncio.Future[ExitRecord]:

@@ -140,8 +140,9 @@ class FleetCollector:
         self._cpu_reported[h.name] = cpu
         f.cpu.add_metric([h.name], cpu)
         for device in self._sample.gpus:
-            if h.pid is not None and h.pid in device.process_bytes:
-                f.gpu_used.add_metric([h.name, str(device.index)], device.process_bytes[h.pid])
+            used = tree.gpu_bytes(device) if tree is not None else None
+            if used is not None:
+                f.gpu_used.add_metric([h.name, str(device.index)], used)
 
     @staticmethod
     def _heartbeat_metrics(f: _Families, h: EngineView) -> None:

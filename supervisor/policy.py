@@ -175,10 +175,11 @@ def decide(now: float, restart: str, status: ExitStatus, reason: Reason,
     if status.code == EXIT_CONFIG:
         return Decision(Action.FAIL, why="exit 78: invalid engine config or model"), history
     failed = not (status.clean and reason is Reason.EXIT)
-    if not failed:
-        if restart == "always":
-            return Decision(Action.RESTART, why="clean exit, restart=always"), history
+    if not failed and restart != "always":
         return Decision(Action.STOP, why=f"clean exit, restart={restart}"), history
+    # restart=always: an exit nobody asked for is a failure whatever its code. An engine server
+    # may exit 0 after its engine died (vLLM's API server does): restarting that at once, with
+    # no backoff and no start limit, would be an endless loop of model loads.
     if restart == "never":
         return Decision(Action.FAIL, why="failed, restart=never"), history
     history = dataclasses.replace(
@@ -188,7 +189,9 @@ def decide(now: float, restart: str, status: ExitStatus, reason: Reason,
                f"{start_limit.interval_s:g}s (burst {start_limit.burst})")
         return Decision(Action.FAIL, why=why), history
     delay = backoff_delay(history.consecutive, backoff, jitter_unit)
-    return Decision(Action.RESTART, delay, f"failure {history.consecutive} in a row"), history
+    what = "clean exit, restart=always, counted as a failure: " if not failed else ""
+    return Decision(Action.RESTART, delay, f"{what}failure {history.consecutive} in a row"), \
+        history
 
 
 # asyncio runs a timer up to its clock's resolution early; a deadline that close is reached

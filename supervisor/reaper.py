@@ -126,6 +126,18 @@ class Guard:
         self.pid: int | None = None
         self.exited: asyncio.Future[ExitRecord] | None = None
         self._write_fd: int | None = None
+        watcher.on_change = self._tell
+
+    def _tell(self, pid: int, alive: bool) -> None:
+        """Every child is a process-group leader (setsid): the guard keeps the list, and kills
+        those groups too. Some descendants cannot be found by their mark: a process that sets
+        its title (setproctitle, as vLLM's EngineCore does) overwrites its environment."""
+        if self._write_fd is None or pid == self.pid:
+            return
+        try:
+            os.write(self._write_fd, f"{'+' if alive else '-'}{pid}\n".encode())
+        except OSError:  # a guard that died is replaced; it is told everything again then
+            pass
 
     def start(self) -> int:
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
@@ -142,6 +154,8 @@ class Guard:
             os.close(read_fd)
         self.pid, self._write_fd = pid, write_fd
         self.exited = self.watcher.watch(pid)
+        for child in sorted(self.watcher.pids - {pid}):
+            self._tell(child, True)
         return pid
 
     def alive(self) -> bool:

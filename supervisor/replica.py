@@ -16,6 +16,7 @@ import enum
 import errno
 import json
 import logging
+import math
 import random
 import signal
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any, Callable, Protocol
 from engined.engine import protocol as proto
 from engined.engine.contract import CONFIG_LINE_PREFIX, EXIT_CONFIG
 from engined.supervisor.clock import Clock, to_wall
-from engined.supervisor.launcher import Child, ExitRecord, Launcher, owner_token
+from engined.supervisor.launcher import Child, ExitRecord, Launcher, owner_token, pick_port
 from engined.supervisor.logs import LogSink, PipeReader
 from engined.supervisor.loop import LoopMonitor
 from engined.supervisor.policy import (
@@ -38,6 +39,7 @@ from engined.supervisor.policy import (
     exit_reason,
     reached,
 )
+from engined.supervisor.probe import CommandWatch, ProbeClient
 from engined.supervisor.reaper import Reaper
 from engined.supervisor.sampler import Nvml, wait_gpu_released
 from engined.supervisor.spec import EngineSpec
@@ -114,6 +116,8 @@ class ReplicaDeps:
     reaper: Reaper | None = None  # clears what an exited incarnation left behind
     nvml: Nvml | None = None  # with a driver: wait for the GPU memory of the dead to be freed
     rng: random.Random = field(default_factory=random.Random)
+    probes: ProbeClient = field(default_factory=ProbeClient)  # command engines' HTTP probes
+    in_flight: Callable[[str], int] = lambda name: 0  # the gateway's requests on a replica
 
 
 @dataclass
@@ -173,6 +177,9 @@ class Replica:
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._watching = False  # between a spawn and the handling of that child's exit
+        self.port: int | None = None  # a command engine's port (this incarnation's)
+        self._verdict: str | None = None  # a command engine's probes declared it hung
+        self._probing: asyncio.Task[None] | None = None
         self.draining = False  # out of routing (a rolling restart, a shutdown); still serving
         self.standby = False  # a warm spare: built and heartbeating, not routed
 
@@ -234,7 +241,8 @@ class Replica:
             restart_at=to_wall(self.clock, self.restart_at) if self.restart_at else None,
             fail_reason=self.fail_reason, last_exit=rec.last_exit, last_cleanup=dict(rec.cleanup),
             cpu_seconds_exited=rec.cpu_seconds_exited,
-            requests=tuple(rec.requests.items()), data_parallel=spec.data_parallel)
+            requests=tuple(rec.requests.items()), data_parallel=spec.data_parallel,
+            port=self.port, command=spec.is_command)
 
     def count_request(self, outcome: str) -> None:
         self.record.requests[outcome] += 1
@@ -282,8 +290,13 @@ class Replica:
             self.record.restarts[self._pending_reason] += 1
             self._pending_reason = None
         try:
-            child = self.deps.launcher.spawn(self._child_config(self.incarnation + 1),
-                                             dict(self.spec.env))
+            if self.spec.is_command:
+                port = pick_port(self.spec)
+                child = self.deps.launcher.spawn_command(self.spec, self.incarnation + 1, port)
+                self.port = port
+            else:
+                child = self.deps.launcher.spawn(self._child_config(self.incarnation + 1),
+                                                 dict(self.spec.env))
         except OSError as exc:
             self._spawn_failed(exc)
             return False
@@ -297,7 +310,29 @@ class Replica:
         self._set_state(EngineState.STARTING)
         self.log.note(f"spawned pid {child.pid} incarnation {self.incarnation}")
         log.info("[spawn] %s pid %d incarnation %d", self.name, child.pid, self.incarnation)
+        self._verdict = None
+        if self.spec.is_command:
+            self._watch_command()
         return True
+
+    def _watch_command(self) -> None:
+        """Probes speak for a command engine (READY, heartbeats, hang); without a probe it is
+        READY once started, as a systemd `Type=simple` service is."""
+        spec, incarnation = self.spec, self.incarnation
+        if spec.probe is None or self.port is None:
+            self._on_ready(proto.Ready(spec.name, incarnation, 0.0, "", spec.model.source, ""),
+                           self.clock.monotonic())
+            return
+
+        def condemn(why: str) -> None:
+            if self.incarnation == incarnation and self._verdict is None:
+                self._verdict = why
+                self._wake.set()
+
+        watch = CommandWatch(spec, incarnation, self.port, self.deps.probes, self.clock,
+                             self.deps.monitor, self.on_message, condemn,
+                             lambda: self.deps.in_flight(spec.name))
+        self._probing = self.deps.loop.create_task(watch.run(), name=f"probe:{self.name}")
 
     def _spawn_failed(self, exc: OSError) -> None:
         code = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else "?"
@@ -332,6 +367,10 @@ class Replica:
                 self._begin_stop(child, now)
             if requested is not None or killed_for is not None:
                 next_at: float | None = self._escalate(child, now)
+            elif self._verdict is not None:
+                killed_for = Reason.HANG
+                self._kill_for(child, killed_for)
+                next_at = self._term_deadline
             else:
                 killed_for, next_at = check_liveness(now, self._liveness())
                 if killed_for is not None:
@@ -376,7 +415,11 @@ class Replica:
         vitals = self.vitals
         assert vitals is not None
         age = self.clock.monotonic() - (vitals.heartbeat_at or child.spawned_at)
-        if reason is Reason.STALL:
+        if self._verdict is not None:
+            what = f"passing probe: {self._verdict}"
+        elif reason is Reason.STALL and self.spec.is_command:
+            what = "generation progress with requests in flight"
+        elif reason is Reason.STALL:
             what = "loop progress"
         elif reason is Reason.STARTUP_TIMEOUT:
             what = "READY in time"
@@ -410,15 +453,28 @@ class Replica:
                         spawned_at=vitals.spawned_at,
                         startup_timeout_s=self.spec.startup_timeout_s,
                         last_heartbeat_at=last_seen,
-                        heartbeat_timeout_s=self.deps.heartbeat_timeout_s,
+                        heartbeat_timeout_s=self._heartbeat_timeout_s(),
                         last_iteration_at=hb.last_iteration_at if hb else last_seen,
                         work_queued=vitals.busy, stall_timeout_s=self.spec.stall_timeout_s,
                         pauses=monitor.pauses, judge_after=monitor.judge_after)
+
+    def _heartbeat_timeout_s(self) -> float:
+        """A command engine's heartbeats are its passing probes, and its probes judge a hang
+        (`failures` in a row); this is only the backstop, well after they would have."""
+        if not self.spec.is_command:
+            return self.deps.heartbeat_timeout_s
+        probe = self.spec.probe
+        if probe is None:
+            return math.inf
+        return (probe.failures + 2) * max(probe.interval_s, probe.timeout_s) + probe.timeout_s
 
     # --- exit --------------------------------------------------------------------------------
     def _on_exit(self, child: Child, record: ExitRecord, killed_for: Reason | None,
                  requested: _Command | None) -> None:
         self._watching = False
+        if self._probing is not None:
+            self._probing.cancel()
+            self._probing = None
         if self._pipe is not None:
             self._pipe.drain()
         child.signal_group(signal.SIGKILL)  # stragglers in its group must not keep a GPU

@@ -26,6 +26,12 @@ SAMPLE_TTL_S = 1.0
 class TreeSample:
     rss_bytes: int
     cpu_seconds: float
+    pids: frozenset[int] = frozenset()  # the leader and every descendant
+
+    def gpu_bytes(self, device: GpuDevice) -> int | None:
+        """What the whole tree holds on `device` (a server's engine core is a grandchild)."""
+        held = [device.process_bytes[p] for p in self.pids if p in device.process_bytes]
+        return sum(held) if held else None
 
 
 @dataclass(frozen=True)
@@ -99,14 +105,15 @@ def sample_trees(pids: list[int]) -> dict[int, TreeSample]:
 
 def _sum_tree(root: int, children: dict[int, list[int]],
               stats: dict[int, TreeSample]) -> TreeSample:
-    rss, cpu, stack = 0, 0.0, [root]
+    rss, cpu, stack, seen = 0, 0.0, [root], set()
     while stack:
         pid = stack.pop()
         if pid in stats:
             rss += stats[pid].rss_bytes
             cpu += stats[pid].cpu_seconds
+            seen.add(pid)
         stack.extend(children.get(pid, ()))
-    return TreeSample(rss, cpu)
+    return TreeSample(rss, cpu, frozenset(seen))
 
 
 GPU_RELEASE_WAIT_S = 10.0

@@ -56,6 +56,8 @@ class EngineView:
     cpu_seconds_exited: float  # earlier incarnations' CPU, so the counter never goes back
     requests: tuple[tuple[str, int], ...]  # outcome -> count, daemon-side
     data_parallel: bool
+    port: int | None = None  # a command engine's port (its current or last incarnation's)
+    command: bool = False  # a server engined did not write (probed, not heartbeating)
 
     @property
     def is_ready(self) -> bool:

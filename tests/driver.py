@@ -288,7 +288,9 @@ def is_engine_of(pid: int, daemon_pid: int) -> bool:
         if proc.status() == psutil.STATUS_ZOMBIE:
             return False
         try:
-            return proc.environ().get("ENGINED_PARENT_PID") == str(daemon_pid)
+            env = proc.environ()  # engine children name the daemon; command engines carry its mark
+            return env.get("ENGINED_PARENT_PID") == str(daemon_pid) or \
+                env.get("ENGINED_OWNER", "").startswith(f"{daemon_pid}/")
         except psutil.AccessDenied:
             return proc.cmdline()[-2:] == ["-m", "engined.engine"]
     except psutil.NoSuchProcess:

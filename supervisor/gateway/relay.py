@@ -14,13 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from engined.engine import protocol as proto
 from engined.supervisor.gateway.openai import ApiError, Job, Usage
 from engined.supervisor.gateway.router import Router
-from engined.supervisor.ipc import EngineChannels, EngineLost, RequestFailed
+from engined.supervisor.gateway.upstream import Upstream, UpstreamStream
+from engined.supervisor.ipc import EngineChannels, EngineLost, RequestFailed, RequestStream
 
 log = logging.getLogger("engined.gateway")
 
@@ -44,15 +46,18 @@ class Done:
 class Relay:
     def __init__(self, router: Router, channels: EngineChannels,
                  clock: Callable[[], float],
-                 on_move: Callable[[str], None] = lambda model: None) -> None:
+                 on_move: Callable[[str], None] = lambda model: None,
+                 upstream: Upstream | None = None) -> None:
         self.router, self.channels, self.clock = router, channels, clock
         self.on_move = on_move
+        self.upstream = upstream or Upstream()  # command engines' own OpenAI APIs
 
     async def run(self, job: Job, group: str, request_id: str, deadline: float,
                   limit: int) -> AsyncGenerator[Piece | Done, None]:
         """Pieces as tokens come, then Done; raises ApiError (400 for a request the engine
         rejects, 503 past the deadline or the migration limit)."""
         delivered: list[int] = []
+        memo: dict[str, Any] = {}  # what an upstream server told about the original prompt
         moves = 0
         while True:
             replica = await self.router.acquire(group, deadline)
@@ -61,8 +66,13 @@ class Relay:
             try:
                 engine_id = uuid.uuid4().hex  # a fresh id per attempt: never mixed up
                 try:
-                    stream = self.channels.open(replica.name, replica.incarnation,
-                                                job.request(engine_id, list(delivered)))
+                    stream: RequestStream | UpstreamStream
+                    if replica.spec.is_command:
+                        stream = self.upstream.open(replica, job, engine_id, list(delivered),
+                                                    memo)
+                    else:
+                        stream = self.channels.open(replica.name, replica.incarnation,
+                                                    job.request(engine_id, list(delivered)))
                 except RequestFailed as exc:
                     lost: str = str(exc)
                 else:
@@ -103,7 +113,7 @@ class Relay:
             self.on_move(job.model)
 
 
-async def _until(stream: AsyncIterator[proto.TokenChunk | proto.GenerateResult],
+async def _until(stream: AsyncIterable[proto.TokenChunk | proto.GenerateResult],
                  deadline: float, clock: Callable[[], float]
                  ) -> AsyncIterator[proto.TokenChunk | proto.GenerateResult]:
     """The stream's items, ApiError 503 at the request's deadline."""

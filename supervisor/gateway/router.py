@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import math
 from collections.abc import Callable
 
 from engined.supervisor.fleet import Fleet
@@ -41,6 +42,8 @@ class Router:
         out: dict[str, str] = {}
         for replica in self.fleet.replicas.values():
             spec = replica.spec
+            if spec.is_command and not spec.openai:
+                continue  # a server whose API the gateway does not speak
             if spec.served_model_name not in out and not replica.standby:
                 out[spec.served_model_name or spec.group] = spec.group
         return out
@@ -79,7 +82,15 @@ class Router:
                 or replica.standby or view.pid is None or view.phase != "serving":
             return False
         age = view.heartbeat_age_s
-        return age is not None and age <= self.stale_after_s
+        return age is not None and age <= self.stale_after(replica.spec)
+
+    def stale_after(self, spec: EngineSpec) -> float:
+        """A heartbeat older than this takes a replica out of routing. A command engine's
+        heartbeats are its passing probes; one without probes is never stale."""
+        if not spec.is_command:
+            return self.stale_after_s
+        probe = spec.probe
+        return math.inf if probe is None else 2.0 * probe.interval_s + probe.timeout_s
 
     def pick(self, group: str) -> Replica | None:
         candidates = [r for r in self.fleet.replicas.values()

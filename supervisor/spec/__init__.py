@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 
 from engined.supervisor.spec.checks import (
     BUILTIN_MODELS,
@@ -78,6 +79,7 @@ def check_host(fleet: FleetSpec) -> None:
                                         f"cannot read {key_file}: "
                                         f"{getattr(exc, 'strerror', None) or exc}"))
     for index, (group, members) in enumerate(fleet.groups().items()):
+        problems += _check_command_host(fleet.source, index, members[0])
         python = members[0].python
         if python is None:
             continue
@@ -92,6 +94,28 @@ def check_host(fleet: FleetSpec) -> None:
                                     f"interpreter is <venv>/bin/python)"))
     if problems:
         raise SpecError(problems)
+
+
+def _check_command_host(source: str, index: int, engine: EngineSpec) -> list[SpecProblem]:
+    """A command engine's program and cwd exist here (a missing one would only crash-loop)."""
+    if not engine.is_command:
+        return []
+    found = []
+    if engine.cwd is not None and not os.path.isdir(engine.cwd):
+        found.append(SpecProblem(source, f"engines[{index}].cwd", None,
+                                 f"{engine.cwd} is not a directory (engine {engine.group!r})"))
+    program = engine.command[0]
+    path = dict(engine.env).get("PATH", os.environ.get("PATH", os.defpath))
+    if "/" in program:
+        usable = os.path.isfile(program) and os.access(program, os.X_OK)
+    else:
+        usable = shutil.which(program, path=path) is not None
+    if not usable:
+        where = "" if "/" in program else " on PATH"
+        found.append(SpecProblem(source, f"engines[{index}].command[0]", None,
+                                 f"program {program} not found{where} or not executable "
+                                 f"(engine {engine.group!r})"))
+    return found
 
 
 def parse_fleet(
@@ -129,7 +153,11 @@ def anchor_paths(fleet: FleetSpec, base_dir: str) -> FleetSpec:
         if model.path is not None:
             path = _anchor(base_dir, model.path)
             model = dataclasses.replace(model, path=path, source=path)
-        engines.append(dataclasses.replace(engine, model=model, python=anchor(engine.python)))
+        command = engine.command
+        if command and "/" in command[0]:  # a program named by path (a bare name uses PATH)
+            command = (_anchor(base_dir, command[0]), *command[1:])
+        engines.append(dataclasses.replace(engine, model=model, python=anchor(engine.python),
+                                           command=command, cwd=anchor(engine.cwd)))
     return dataclasses.replace(fleet, supervisor=supervisor, engines=tuple(engines))
 
 

@@ -98,6 +98,23 @@ def _format_engine(e: EngineSpec) -> list[str]:
         ),
         ("env", env),
     ]
+    if e.is_command:
+        rows = [row for row in rows if row[0] not in ("model", "batch")]
+        port = "none" if e.port is None else ("auto (a free loopback port at each spawn)"
+                                              if e.port == 0 else str(e.port))
+        probe = e.probe
+        checks = [f"port {port}",
+                  "probe off" if probe is None else
+                  f"probe GET {probe.path} every {_fmt_duration(probe.interval_s)}, timeout "
+                  f"{_fmt_duration(probe.timeout_s)}, {probe.failures} failures = hung"]
+        if e.progress is not None:
+            checks.append(f"progress {e.progress.counter} while {e.progress.busy} > 0 "
+                          f"({e.progress.metrics})")
+        checks.append(f"openai {e.openai or 'no'}")
+        rows[:0] = [("command", _printable(" ".join(e.command))),
+                    ("cwd", _printable(e.cwd or "-")), ("checks", "; ".join(checks))]
+        head = f"  {e.name}  (group {e.group}, rank {e.rank} of {e.replicas})"
+        return [head] + [f"    {key:<10}{value}" for key, value in rows]
     if e.python:
         rows.insert(1, ("python", _printable(e.python)))
     if e.backend != "transformers" or e.engine_args:

@@ -71,6 +71,31 @@ class RolloutSpec:
 
 
 @dataclass(frozen=True)
+class ProbeSpec:
+    """An HTTP GET a command engine must answer with 2xx: READY at the first pass, hung after
+    `failures` in a row fail (one probe in flight at a time)."""
+
+    path: str = "/health"
+    interval_s: float = 2.0
+    timeout_s: float = 1.0
+    failures: int = 3
+
+
+@dataclass(frozen=True)
+class ProgressSpec:
+    """Where a command engine's server says it is working and making progress: its Prometheus
+    text at `metrics`, a gauge of requests in flight (`busy`), a counter that moves while it
+    generates (`counter`)."""
+
+    metrics: str = "/metrics"
+    busy: str = "vllm:num_requests_running"
+    counter: str = "vllm:generation_tokens_total"
+
+
+VLLM_PROGRESS = ProgressSpec()
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     """One replica, fully resolved (defaults merged)."""
 
@@ -98,6 +123,17 @@ class EngineSpec:
     request_timeout_s: float = 600.0  # a request's whole life in the gateway (503 past)
     migration_limit: int = 3  # times a request may move to another replica
     rollout: RolloutSpec = RolloutSpec()
+    # A command engine: a server engined did not write (`vllm serve`), not an engine child.
+    command: tuple[str, ...] = ()
+    port: int | None = None  # this replica's port (N + rank, or picked at each spawn: 0)
+    cwd: str | None = None
+    probe: ProbeSpec | None = None
+    progress: ProgressSpec | None = None
+    openai: str = ""  # the gateway proxies to its OpenAI API: "" no, "openai", "vllm" (+ ids)
+
+    @property
+    def is_command(self) -> bool:
+        return bool(self.command)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from engined.supervisor.spec.checks import (
     _any_bad,
     _bool,
     _Check,
+    _command,
     _duration,
     _engine_args,
     _enum,
@@ -32,14 +33,21 @@ from engined.supervisor.spec.checks import (
     _Located,
     _mapping,
     _model,
+    _openai,
     _optional_text,
+    _port,
+    _probe,
     _Problems,
+    _progress,
     _unknown_keys,
 )
 from engined.supervisor.spec.model import (
+    VLLM_PROGRESS,
     BackoffSpec,
     EngineSpec,
     FleetSpec,
+    ModelSpec,
+    ProbeSpec,
     RolloutSpec,
     StartLimitSpec,
     SupervisorSpec,
@@ -87,9 +95,21 @@ _SETTING_CHECKS: dict[str, _Check] = {
     "queue_limit": _int_in(1, 1_000_000),
     "request_timeout": _duration(positive=True),
     "migration_limit": _int_in(0, 100),
+    "probe": _probe,
 }
 _SETTING_KEYS = (*_SETTING_CHECKS, *_NESTED)
-_ENGINE_ONLY = ("name", "replicas")
+# A command engine (a server engined did not write) is one engine's own business: these keys
+# are set per engine, never in defaults.
+_COMMAND_CHECKS: dict[str, _Check] = {
+    "command": _command,
+    "port": _port,
+    "cwd": _optional_text,
+    "progress": _progress,
+    "openai": _openai,
+}
+_ENGINE_ONLY = ("name", "replicas", *_COMMAND_CHECKS)
+# what only engined's own engine child uses: not for a command engine
+_CHILD_ONLY = ("model", "backend", "engine_args", "python")
 _BUILTIN_SETTINGS: dict[str, _Located] = {
     key: (value, None)
     for key, value in {
@@ -110,6 +130,7 @@ _BUILTIN_SETTINGS: dict[str, _Located] = {
         "queue_limit": 256,
         "request_timeout": 600.0,
         "migration_limit": 3,
+        "probe": None,  # a command engine with a port gets ProbeSpec()
         "rollout.max_unavailable": 1,
         "rollout.max_surge": 0,
         "backoff.initial": 1.0,
@@ -275,18 +296,69 @@ def _group(
     name = _engine_name(problems, section.get("name"), f"{path}.name", "name" in section)
     replicas = _int_in(1, 1024)(problems, section.get("replicas", 1), f"{path}.replicas")
     settings = {**_BUILTIN_SETTINGS, **defaults, **_settings(problems, section, path)}
-    if "model" not in settings:
+    for key, check in _COMMAND_CHECKS.items():
+        if key in section:
+            settings[key] = (check(problems, section[key], f"{path}.{key}"), f"{path}.{key}")
+    if "command" in section:
+        _check_command(problems, settings, section, path)
+    elif "model" not in settings:
         problems.add(
             f"{path}.model", "required: 'builtin:echo', 'builtin:tiny-llama' or {path: DIR}"
         )
         settings["model"] = (_BAD, None)
     _check_backoff(problems, settings, path)
-    _check_backend(problems, settings, path)
+    if "command" not in section:
+        _check_backend(problems, settings, path)
+        for key in ("port", "cwd", "progress", "openai"):
+            if key in section:
+                problems.add(f"{path}.{key}", f"{key} applies to command engines only (this "
+                                              f"engine runs a model; add command: [...])")
+        probe, probe_at = settings["probe"]
+        if probe not in (None, _BAD) and probe_at and probe_at.startswith(path + "."):
+            problems.add(probe_at, "probe applies to command engines only (engined's own "
+                                   "engines heartbeat)")
     if replicas is not _BAD:
         _check_gpu_split(problems, settings, replicas, path)
+        port = settings.get("port", (None, None))[0]
+        if port not in (None, 0, _BAD) and port + replicas - 1 > 65535:
+            problems.add(f"{path}.port", f"replicas use ports {port}..{port + replicas - 1}: "
+                                         f"past 65535")
     if _any_bad(name, replicas):
         return None
     return _Group(index=index, name=name, replicas=replicas, settings=settings)
+
+
+def _check_command(problems: _Problems, s: dict[str, _Located], section: Mapping[str, Any],
+                   path: str) -> None:
+    """A command engine: what only engined's engine child uses is an error when set on it (a
+    value inherited from defaults is ignored), and what needs a port has one."""
+    for key in _CHILD_ONLY:
+        if key in section:
+            problems.add(f"{path}.{key}", f"{key} and command are exclusive: a command engine "
+                                          f"runs its own server (put {key} in its arguments)")
+    dp, dp_at = s["data_parallel"]
+    if dp is True:
+        problems.add(dp_at or f"{path}.data_parallel",
+                     f"data_parallel: true is not supported for a command engine (engined "
+                     f"cannot form its torch.distributed group){_for(dp_at or path, path)}")
+    argv = s["command"][0]
+    port = s.get("port", (None, None))[0]
+    needs_port = [key for key in ("progress", "openai") if key in section]
+    probe, probe_at = s["probe"]
+    if probe not in (None, False, _BAD):
+        needs_port.append("probe")
+    if port is None:
+        if argv is not _BAD and any("{port}" in arg for arg in argv):
+            problems.add(f"{path}.command", "uses {port} but the engine has no port: add "
+                                            "port: auto (or a number)")
+        for key in needs_port:
+            at = probe_at if key == "probe" and probe_at else f"{path}.{key}"
+            problems.add(at, f"{key} needs the engine's port: add port: auto (or a number)"
+                             f"{_for(at, path)}")
+    env, env_at = s["env"]
+    if port is not None and env is not _BAD and any(k == "PORT" for k, _ in env):
+        problems.add(f"{env_at or path + '.env'}.PORT", "PORT is set by engined for a command "
+                                                        "engine with a port")
 
 
 def _engine_name(problems: _Problems, value: Any, path: str, present: bool) -> Any:
@@ -446,13 +518,23 @@ def _expand(g: _Group) -> list[EngineSpec]:
     )
     start_limit = StartLimitSpec(burst=s["start_limit.burst"], interval_s=s["start_limit.interval"])
     per = s["gpus_per_replica"]
+    command, port = s.get("command", ()), s.get("port")
+    probe, progress = s["probe"], s.get("progress")
+    if command:
+        model = ModelSpec(source=f"command:{command[0]}", builtin=None, path=None, dtype=None)
+        if probe is None:
+            probe = ProbeSpec() if port is not None else False
+    else:
+        model, probe = s["model"], False
+    # progress: vllm means the server is vLLM's: its API (and extensions) come with it
+    openai = s.get("openai", "vllm" if progress == VLLM_PROGRESS else "")
     return [
         EngineSpec(
             name=f"{g.name}-{rank}",
             group=g.name,
             rank=rank,
             replicas=g.replicas,
-            model=s["model"],
+            model=model,
             gpus=tuple(s["gpus"][rank * per : (rank + 1) * per]),
             data_parallel=s["data_parallel"],
             max_batch_size=s["max_batch_size"],
@@ -464,14 +546,20 @@ def _expand(g: _Group) -> list[EngineSpec]:
             startup_timeout_s=s["startup_timeout"],
             stall_timeout_s=s["stall_timeout"],
             stop_timeout_s=s["stop_timeout"],
-            python=s["python"],
-            backend=s["backend"],
-            engine_args=s["engine_args"],
             served_model_name=s["served_model_name"] or g.name,
             queue_limit=s["queue_limit"],
             request_timeout_s=s["request_timeout"],
             migration_limit=s["migration_limit"],
             rollout=RolloutSpec(s["rollout.max_unavailable"], s["rollout.max_surge"]),
+            command=command,
+            port=None if port is None else (port + rank if port else 0),
+            cwd=s.get("cwd"),
+            probe=probe or None,
+            progress=progress,
+            openai=openai,
+            python=None if command else s["python"],
+            backend="command" if command else s["backend"],
+            engine_args=() if command else s["engine_args"],
         )
         for rank in range(g.replicas)
     ]

@@ -162,20 +162,25 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
 
 @pytest.mark.parametrize("example", sorted((REPO / "etc").rglob("*.yaml")), ids=lambda p: p.name)
 def test_example_fleets_pass_check(example):
-    """Every shipped spec is valid. One whose `python:` venv is not on this machine (the vLLM
-    examples: .venv-vllm, /opt/vllm) must fail on that alone: the host check runs only on a
-    spec that parsed, so everything else in it was valid."""
+    """Every shipped spec is valid. One whose interpreter or server program is not on this
+    machine (the vLLM examples: .venv-vllm, /opt/vllm) must fail on that alone: the host check
+    runs only on a spec that parsed, so everything else in it was valid."""
     done = subprocess.run([sys.executable, "-m", "engined.supervisor.daemon", "-c", str(example),
                            "--check"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    missing = [e["python"] for e in (yaml.safe_load(example.read_text()) or {}).get(
-        "engines", []) if isinstance(e, dict) and "python" in e
-        and not (example.parent / e["python"]).exists()]
+    engines = [e for e in (yaml.safe_load(example.read_text()) or {}).get("engines", [])
+               if isinstance(e, dict)]
+    missing = [e["python"] for e in engines
+               if "python" in e and not (example.parent / e["python"]).exists()]
+    missing += [e["command"][0] for e in engines
+                if "command" in e and "/" in e["command"][0]
+                and not (example.parent / e["command"][0]).exists()]
     if not missing:
         assert done.returncode == 0, done.stderr
         return
     assert done.returncode == 78, done
     problems = [line for line in done.stderr.splitlines()[1:] if line.strip()]
-    assert problems and all("python: interpreter" in p and "does not exist" in p
+    assert problems and all(("python: interpreter" in p and "does not exist" in p)
+                            or ("command[0]: program" in p and "not found" in p)
                             for p in problems), done.stderr
 
 

@@ -67,9 +67,19 @@ EVERY_KEY = {
          "max_batch_size": 16, "backoff": {"initial": "500ms"}, "start_limit": {"burst": 10},
          "env": {"HF_HOME": "/cache", "LEVEL": 3}},
         {"name": "echo", "replicas": 3, "model": "builtin:echo", "restart": "never",
-         "threads": 1, "stall_timeout": 5, "env": {"ENGINED_ECHO_TOKEN_MS": "5"}},
+         "threads": 1, "stall_timeout": 5, "env": {"ENGINED_ECHO_TOKEN_MS": "5"},
+         "served_model_name": "echo-model", "queue_limit": 64, "request_timeout": "2m",
+         "migration_limit": 2, "rollout": {"max_unavailable": 2, "max_surge": 1}},
+        {"name": "llm", "model": "builtin:tiny-llama", "backend": "vllm",
+         "engine_args": {"max_model_len": 1024, "enforce_eager": True}},
+        {"name": "served", "replicas": 2, "command": [PYTHON, "-m", "server", "--port", "{port}"],
+         "port": 18000, "cwd": "/", "probe": {"path": "/health", "interval": "1s",
+                                              "timeout": "500ms", "failures": 2},
+         "progress": {"metrics": "/metrics", "busy": "x:running", "counter": "x:tokens"},
+         "openai": "vllm"},
     ],
 }
+EVERY_KEY["supervisor"]["gateway"] = "127.0.0.1:8000"
 
 
 def _shipped_specs() -> list[dict[str, Any]]:
@@ -160,7 +170,11 @@ KNOWN_KEYS = ["version", "supervisor", "defaults", "engines", "name", "replicas"
               "env", "restart", "backoff", "initial", "max", "factor", "jitter", "reset_after",
               "start_limit", "burst", "interval", "startup_timeout", "stall_timeout",
               "stop_timeout", "http", "control_socket", "runtime_dir", "log_dir",
-              "heartbeat_interval", "heartbeat_timeout", "replica", "Name", "gpu", "<<"]
+              "heartbeat_interval", "heartbeat_timeout", "replica", "Name", "gpu", "<<",
+              "gateway", "api_key_file", "backend", "engine_args", "served_model_name",
+              "queue_limit", "request_timeout", "migration_limit", "rollout", "max_unavailable",
+              "max_surge", "python", "command", "port", "cwd", "probe", "progress", "openai",
+              "timeout", "failures", "metrics", "busy", "counter"]
 KEYS = (st.sampled_from(KNOWN_KEYS) | st.text(max_size=10) | st.integers() | st.booleans()
         | st.none())
 OPS = ["drop", "replace", "replace", "rename", "add", "duplicate", "alias", "recursive", "nest",

@@ -112,9 +112,23 @@ def test_restart_modes(restart, status, action):
     assert decision.action is action
 
 
-def test_clean_exit_does_not_count_as_failure():
-    decision, history = _decide(100.0, ExitStatus(code=0))
-    assert (decision.action, decision.delay_s, history) == (Action.RESTART, 0.0, FailureHistory())
+def test_an_unasked_clean_exit_under_always_counts_as_a_failure():
+    """vLLM's API server exits 0 after its engine core died: under restart=always that must
+    back off and reach the start limit, not loop model loads at full speed."""
+    history = FailureHistory()
+    delays = []
+    for now in (100.0, 101.0, 102.0, 103.0, 104.0):
+        decision, history = _decide(now, ExitStatus(code=0), history)
+        assert decision.action is Action.RESTART and "counted as a failure" in decision.why
+        delays.append(decision.delay_s)
+    assert delays[0] == 0.0 and delays[1] > 0.0 and history.consecutive == 5
+    decision, _ = _decide(105.0, ExitStatus(code=0), history)
+    assert decision.action is Action.FAIL and "start limit" in decision.why
+
+
+def test_clean_exit_under_on_failure_does_not_count():
+    decision, history = _decide(100.0, ExitStatus(code=0), restart="on-failure")
+    assert (decision.action, history) == (Action.STOP, FailureHistory())
 
 
 def test_hang_kill_with_code_zero_is_still_a_failure():

@@ -71,3 +71,18 @@ def test_cpu_example_passes_check_with_a_vllm_venv(vllm_python: str, tmp_path):
                            "--check"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert f"python    {vllm_python}" in done.stdout, done.stdout
+
+
+def test_vllm_serve_examples_resolve_as_command_engines():
+    gpu = _parse("vllm-serve.yaml")
+    assert [e.name for e in gpu.engines] == [f"chat-{i}" for i in range(8)]
+    for i, engine in enumerate(gpu.engines):
+        assert engine.is_command and engine.gpus == (i,) and engine.port == 8100 + i
+        assert engine.command[:3] == ("/opt/vllm/bin/python", "-m",
+                                      "vllm.entrypoints.openai.api_server")
+        assert "{port}" in engine.command and engine.openai == "vllm"
+        assert engine.progress is not None and engine.progress.counter.startswith("vllm:")
+    (cpu,) = _parse("vllm-serve-cpu.yaml").engines
+    assert cpu.command[0] == str(REPO_ROOT / ".venv-vllm" / "bin" / "python")
+    assert cpu.cwd == str(REPO_ROOT) and cpu.port == 0 and cpu.probe is not None
+    assert cpu.probe.path == "/health" and cpu.openai == "vllm"

@@ -1,0 +1,208 @@
+"""Watching a command engine (a server engined did not write) from outside: probes and progress.
+
+engined's own engines tell it they are READY and heartbeat their busy loop's progress. A server
+such as `vllm serve` does neither, so a `CommandWatch` per incarnation asks instead, and speaks
+for it in the same terms the lifecycle already understands:
+
+- **probe** (`probe: {path, interval, timeout, failures}`): an HTTP GET on the replica's port,
+  one in flight at a time (a slow server never gets a pile of them). The first 2xx makes the
+  replica READY (a `Ready` message); every pass is a heartbeat; `failures` failures in a row
+  declare it hung. A probe whose window overlapped a pause of engined itself is not counted
+  (DESIGN: the daemon never blames engines for its own stalls).
+- **progress** (`progress: vllm`, or `{metrics, busy, counter}`): each probe interval, the
+  server's Prometheus text: work is in flight when its `busy` gauge is above 0, or when the
+  gateway has requests on the replica (an engine core that froze while idle never reports
+  running requests again); progress is its `counter` moving. The heartbeat carries both, so the
+  replica's ordinary stall check applies: work in flight and no progress for stall_timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from engined.engine import protocol as proto
+from engined.supervisor.clock import Clock
+from engined.supervisor.loop import LoopMonitor
+from engined.supervisor.spec import EngineSpec
+
+log = logging.getLogger("engined.probe")
+
+MAX_BODY_BYTES = 4 << 20  # a /metrics page; a larger one is not read to the end
+
+
+class ProbeFailed(Exception):
+    pass
+
+
+class ProbeClient:
+    """One HTTP client for every probe of the daemon (loopback, no keep-alive: a server that
+    hung must not leave a stale pooled connection behind)."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True, limit=0),
+                auto_decompress=False)
+        return self._session
+
+    async def get(self, port: int, path: str, timeout_s: float,
+                  read_body: bool = False) -> str:
+        """The body (when asked for) of a 2xx answer; ProbeFailed with why otherwise."""
+        try:
+            return await asyncio.wait_for(self._get(port, path, read_body), timeout_s)
+        except asyncio.TimeoutError:
+            raise ProbeFailed(f"GET {path}: no answer within {timeout_s:g}s") from None
+        except aiohttp.ClientError as exc:
+            raise ProbeFailed(f"GET {path}: {type(exc).__name__}: {exc}") from None
+
+    async def _get(self, port: int, path: str, read_body: bool) -> str:
+        url = f"http://127.0.0.1:{port}{path}"
+        async with self.session().get(url, allow_redirects=False) as response:
+            if not 200 <= response.status < 300:
+                raise ProbeFailed(f"GET {path}: HTTP {response.status}")
+            if not read_body:
+                return ""
+            body = await response.content.read(MAX_BODY_BYTES)
+            return body.decode("utf-8", "replace")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", re.M)
+
+
+def metric_sum(text: str, name: str) -> float | None:
+    """The sum of every sample of `name` (all label sets) in Prometheus text, or None when it
+    is absent. A counter may be named with or without its `_total` suffix."""
+    names = {name, name + "_total"} if not name.endswith("_total") else {name}
+    total, found = 0.0, False
+    for match in _SAMPLE_RE.finditer(text):
+        if match.group(1) in names:
+            try:
+                value = float(match.group(3))
+            except ValueError:
+                continue
+            if math.isfinite(value):
+                total, found = total + value, True
+    return total if found else None
+
+
+@dataclass
+class _Progress:
+    counter: float | None = None
+    moved_at: float = 0.0  # monotonic: the counter last moved, or work began
+    busy: bool = False
+    running: int = 0
+    iteration: int = 0
+
+
+class CommandWatch:
+    """Probes (and progress checks) of one incarnation of a command engine."""
+
+    def __init__(self, spec: EngineSpec, incarnation: int, port: int, client: ProbeClient,
+                 clock: Clock, monitor: LoopMonitor,
+                 deliver: Callable[[proto.ChildMessage], object],
+                 condemn: Callable[[str], None],
+                 in_flight: Callable[[], int]) -> None:
+        assert spec.probe is not None
+        self.spec, self.incarnation, self.port = spec, incarnation, port
+        self.probe = spec.probe
+        self.client, self.clock, self.monitor = client, clock, monitor
+        self.deliver, self.condemn, self.in_flight = deliver, condemn, in_flight
+        self.failures = 0
+        self.ready = False
+        self.last_error = ""
+        self.progress = _Progress()
+
+    async def run(self) -> None:
+        probe = self.probe
+        spawned = self.clock.monotonic()
+        while True:
+            began = self.clock.monotonic()
+            try:
+                await self.client.get(self.port, probe.path, probe.timeout_s)
+            except ProbeFailed as exc:
+                self._failed(str(exc), began)
+            else:
+                if self.spec.progress is not None and self.ready:
+                    try:
+                        await self._read_progress()
+                    except ProbeFailed as exc:  # progress unknown this round: not a hang
+                        log.debug("[probe] %s: progress: %s", self.spec.name, exc)
+                self._passed(spawned)
+            await self._sleep_until(began + probe.interval_s)
+
+    def _passed(self, spawned: float) -> None:
+        self.failures = 0
+        now = self.clock.monotonic()
+        if not self.ready:
+            self.ready = True
+            self.progress.moved_at = now
+            self.deliver(proto.Ready(engine=self.spec.name, incarnation=self.incarnation,
+                                     load_s=now - spawned, device=_device(self.spec),
+                                     model=" ".join(self.spec.command)[:200], dtype=""))
+        self._beat(now)
+
+    def _failed(self, why: str, began: float) -> None:
+        self.last_error = why
+        if self.monitor.pauses.after(began) > 0 or not now_judgeable(self.monitor,
+                                                                        self.clock):
+            return  # engined itself did not run during this probe: not the server's fault
+        if not self.ready:
+            return  # still loading: startup_timeout is the judge
+        self.failures += 1
+        log.info("[probe] %s: %s (%d of %d)", self.spec.name, why, self.failures,
+                 self.probe.failures)
+        if self.failures >= self.probe.failures:
+            self.condemn(f"{self.failures} probes failed in a row (last: {why})")
+
+    async def _read_progress(self) -> None:
+        progress = self.spec.progress
+        assert progress is not None
+        text = await self.client.get(self.port, progress.metrics, self.probe.timeout_s,
+                                     read_body=True)
+        counter = metric_sum(text, progress.counter)
+        busy_gauge = metric_sum(text, progress.busy)
+        state, now = self.progress, self.clock.monotonic()
+        running = max(int(busy_gauge or 0), self.in_flight())
+        busy = running > 0
+        if counter is not None and counter != state.counter:
+            state.counter, state.moved_at = counter, now
+            state.iteration += 1
+        elif busy and not state.busy:
+            state.moved_at = now  # work just began: the stall clock starts now
+        state.busy, state.running = busy, running
+
+    def _beat(self, now: float) -> None:
+        state = self.progress
+        self.deliver(proto.Heartbeat(
+            engine=self.spec.name, incarnation=self.incarnation, iteration=state.iteration,
+            last_iteration_at=state.moved_at if self.spec.progress is not None else now,
+            waiting=0, running=state.running if self.spec.progress is not None else 0,
+            tokens=int(state.counter or 0)))
+
+    async def _sleep_until(self, when: float) -> None:
+        delay = when - self.clock.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+def now_judgeable(monitor: LoopMonitor, clock: Clock) -> bool:
+    """Right after a pause of engined, what queued meanwhile is read before anything is judged."""
+    return clock.monotonic() >= monitor.judge_after
+
+
+def _device(spec: EngineSpec) -> str:
+    return ",".join(f"cuda:{g}" for g in spec.gpus) if spec.gpus else "cpu"

@@ -1,0 +1,162 @@
+"""A real `vllm serve` (the OpenAI API server of vLLM's CPU build, in its own venv) as a command
+engine: READY through its /health, served through the gateway with the official client, its
+EngineCore (a grandchild) SIGKILLed or SIGSTOPped, and the daemon SIGKILLed.
+
+One replica (a vLLM server with its EngineCore and worker is ~2.7 GB here); the tests share it
+in order and each waits for it to come back. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import psutil
+import pytest
+from driver import Daemon, build_spec, process_gone
+
+pytestmark = pytest.mark.vllm
+
+READY_TIMEOUT_S = 240.0  # import, config, weights, KV cache, warm-up on a small CPU box
+STALL_TIMEOUT_S = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_engine(python: str, model: Path) -> dict[str, Any]:
+    """etc/examples/vllm-serve.yaml's CPU engine, made small for a 2-core box."""
+    return {
+        "name": "served", "replicas": 1,
+        "command": [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                    "--host", "127.0.0.1", "--port", "{port}", "--enforce-eager",
+                    "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "1024"],
+        "port": "auto", "progress": "vllm",
+        "probe": {"path": "/health", "interval": "1s", "timeout": "2s", "failures": 3},
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        "startup_timeout": "5m", "stall_timeout": f"{STALL_TIMEOUT_S:g}s", "stop_timeout": "20s",
+        "backoff": {"initial": "0s", "max": "0s", "jitter": 0, "reset_after": "0s"},
+        "start_limit": {"burst": 20, "interval": "10m"},
+    }
+
+
+@pytest.fixture(scope="module")
+def served(vllm_python: str, tiny_checkpoint: Path) -> Iterator[Daemon]:
+    root = Path(tempfile.mkdtemp(prefix="egs", dir="/tmp"))
+    port = _free_port()
+    daemon = Daemon(root, build_spec(root, [serve_engine(vllm_python, tiny_checkpoint)],
+                                     {"gateway": f"127.0.0.1:{port}"}, None))
+    daemon.gateway_port = port  # type: ignore[attr-defined]
+    try:
+        daemon.start()
+        daemon.wait_all_ready(READY_TIMEOUT_S)
+        yield daemon
+    finally:
+        if daemon.alive():
+            daemon.spawned_pids()
+            daemon.stop()
+        daemon.dump()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _client(d: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{d.gateway_port}/v1",  # type: ignore
+                         api_key="none", max_retries=0, timeout=120)
+
+
+def _engine_core(d: Daemon) -> psutil.Process:
+    server = psutil.Process(d.engine("served-0")["pid"])
+    return next(p for p in server.children(recursive=True) if "EngineCore" in p.name())
+
+
+def _tree(d: Daemon) -> list[int]:
+    server = psutil.Process(d.engine("served-0")["pid"])
+    return [server.pid, *(p.pid for p in server.children(recursive=True))]
+
+
+def test_ready_through_health_and_served_through_the_gateway(served: Daemon):
+    e = served.engine("served-0")
+    assert e["state"] == "READY" and e["port"] and e["startup_s"] > 0
+    assert len(_tree(served)) >= 3  # the API server, its EngineCore, the EngineCore's worker
+    client = _client(served)
+    assert [m.id for m in client.models.list()] == ["served"]
+    done = client.completions.create(model="served", prompt="hello", max_tokens=8,
+                                     temperature=0)
+    assert done.model == "served" and done.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(
+        model="served", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 6
+    rss = served.status()["engines"][0]["rss_bytes"]
+    assert rss > psutil.Process(e["pid"]).memory_info().rss  # the whole tree is counted
+
+
+def test_sigkill_of_its_engine_core_restarts_the_server(served: Daemon):
+    old = served.engine("served-0")["pid"]
+    core = _engine_core(served)
+    before = served.engine("served-0")["restarts"]
+    core.kill()  # vLLM's API server exits on its own when its EngineCore dies
+    served.wait_restarted("served-0", old, READY_TIMEOUT_S)
+    e = served.wait_state("served-0", "READY", READY_TIMEOUT_S)
+    assert e["restarts"] == before + 1 and e["last_exit"]["reason"] in ("exit", "hang"), e
+    assert process_gone(core.pid)
+
+
+def test_a_frozen_engine_core_under_a_request_is_a_stall(served: Daemon):
+    """vLLM's /health keeps answering 200 here, and a core frozen before the request came never
+    reports it running: the gateway's own count of requests on the replica is the work in
+    flight, and the generation counter that does not move is the stall."""
+    old = served.engine("served-0")["pid"]
+    core = _engine_core(served)
+    client = _client(served)
+    outcome: dict[str, Any] = {}
+    core.send_signal(signal.SIGSTOP)
+
+    def request() -> None:
+        try:
+            outcome["done"] = client.completions.create(model="served", prompt="x" * 8,
+                                                        max_tokens=16, temperature=0)
+        except openai.APIError as exc:
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=request, daemon=True)
+    worker.start()
+    try:
+        served.wait_restarted("served-0", old, READY_TIMEOUT_S)
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            core.send_signal(signal.SIGCONT)
+    assert served.engine("served-0")["last_exit"]["reason"] == "stall"
+    served.wait_state("served-0", "READY", READY_TIMEOUT_S)
+    worker.join(READY_TIMEOUT_S)
+    # no token had reached the client: the gateway sent it again, to the replacement
+    assert "done" in outcome, outcome
+    assert outcome["done"].usage.completion_tokens >= 1
+
+
+def test_after_a_daemon_sigkill_no_vllm_process_is_left(served: Daemon):
+    pids = _tree(served)
+    served.expect_unclean_exit = True
+    served.signal(signal.SIGKILL)
+    served.wait_exit()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and not all(process_gone(p) for p in pids):
+        time.sleep(0.1)
+    left = [p for p in pids if not process_gone(p)]
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"vLLM processes outlived the daemon by 5 s: {left}"
