@@ -78,6 +78,9 @@ class Load:
 class Backend(Protocol):
     device: str
     dtype: str
+    # Requests join a running batch at the next step (vLLM, echo). Without it (transformers: one
+    # `generate` per batch) the core waits a moment for a burst to arrive together.
+    continuous_batching: bool
 
     def tokenize(self, text: str) -> list[int]:
         """The prompt's token ids (with what the model expects at the start, e.g. BOS)."""

@@ -106,6 +106,7 @@ class EngineCoreProc:
         self._heartbeat: _HeartbeatThread | None = None
         self.idle_poll_ms = _IDLE_POLL_MS
         self.in_collective = False  # a DP rank waiting on its peers (stall detection counts it)
+        self._outbox: list[proto.TokenChunk | proto.GenerateResult] = []
         self._cleanup_announced = False
         # Test-only fault injection for any model (the echo engine always has it).
         self.faults = (os.environ.get("ENGINED_FAULT_INJECTION") == "1"
@@ -158,8 +159,8 @@ class EngineCoreProc:
         # "busy, no progress for load_s" and got a healthy engine killed as stalled.
         self._stamp()
         # READY goes where requests flow: when the daemon reads it, it can route to us.
-        self._send_requests(proto.Ready(cfg.name, cfg.incarnation, load_s, self.model.device,
-                                        cfg.model, self.model.dtype, self.model.gpu_memory()))
+        self._send_now(proto.Ready(cfg.name, cfg.incarnation, load_s, self.model.device,
+                                   cfg.model, self.model.dtype, self.model.gpu_memory()))
         print(f"[ready] {cfg.name} incarnation {cfg.incarnation} loaded in {load_s:.3f}s "
               f"on {self.model.device}", file=sys.stderr, flush=True)
         self._heartbeat = _HeartbeatThread(self)
@@ -191,13 +192,16 @@ class EngineCoreProc:
                     _drain_fd(wake_r)
                 if self.requests in ready:
                     self._take_requests()
-                    if was_idle:
+                    if was_idle and self.model is not None and not self.model.continuous_batching:
                         self._coalesce()
+                    self._flush()  # rejections
                 if not self.iterate():
                     break
+                self._flush()
                 self.iteration += 1
                 self.last_iteration_at = time.monotonic()
             self.table.fail_all("engine stopping")
+            self._flush()
         finally:
             signal.set_wakeup_fd(-1)
             os.close(wake_r)
@@ -236,8 +240,11 @@ class EngineCoreProc:
         self.model.step(self.table.on_event, on_token)
 
     def _stamp(self) -> None:
-        """Progress inside a long step (per token), so only a really stuck loop looks stalled."""
+        """Progress inside a long step (per token), so only a really stuck loop looks stalled;
+        what the token produced goes out now (a step of the transformers backend is a whole
+        generation)."""
         self.last_iteration_at = time.monotonic()
+        self._flush()
 
     def announce_cleanup(self, reason: str) -> None:
         """Tell the daemon the silence that follows is a cleanup, not a hang (once)."""
@@ -311,7 +318,17 @@ class EngineCoreProc:
                 self.table.abort(msg.id)
             # proto.Wake only had to end the poll: a DP peer has work, join the next step.
 
-    def _send_requests(self, message: msgspec.Struct) -> None:
+    def _send_requests(self, message: proto.TokenChunk | proto.GenerateResult) -> None:
+        """Queued: what one step produced goes out together (`_flush`)."""
+        self._outbox.append(message)
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
+        self._send_now(items[0] if len(items) == 1 else proto.Results(items))
+
+    def _send_now(self, message: msgspec.Struct) -> None:
         try:
             self.requests.send(proto.encode(message), zmq.NOBLOCK)
         except zmq.Again:

@@ -221,6 +221,8 @@ def _sampling_key(sampling: Sampling) -> tuple[float, float, int | None]:
 
 
 class HFBackend:
+    continuous_batching = False  # one `generate` per batch: a request waits for the next
+
     def __init__(self, model: Any, tokenizer: Any, device: str, dtype: Any, gpus: list[int],
                  max_batch_size: int) -> None:
         import torch

@@ -75,6 +75,8 @@ class EchoBackend:
     device = "cpu"
     dtype = "none"
 
+    continuous_batching = True  # requests join a running batch at the next step
+
     def __init__(self, token_s: float) -> None:
         self.token_s = token_s
         self.running: dict[str, _Echo] = {}

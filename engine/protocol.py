@@ -172,7 +172,14 @@ class GenerateResult(msgspec.Struct, tag="result", frozen=True):
     rejected: bool = False  # the request itself is invalid (a client error: retrying is futile)
 
 
-RequestMessage = GenerateRequest | Abort | Wake | TokenChunk | GenerateResult | Ready
+class Results(msgspec.Struct, tag="results", frozen=True):
+    """Several requests' chunks and results from one step, in one frame: a step of a batch of
+    B streamed requests is one message, not B (the per-message cost on both sides dominates)."""
+
+    items: list[TokenChunk | GenerateResult]
+
+
+RequestMessage = GenerateRequest | Abort | Wake | TokenChunk | GenerateResult | Results | Ready
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -218,6 +225,11 @@ def decode_request(frame: bytes) -> RequestMessage:
     if len(frame) > MAX_FRAME_BYTES:
         raise msgspec.DecodeError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     return _request_decoder.decode(frame)
+
+
+def messages_of(msg: RequestMessage) -> list[RequestMessage]:
+    """A request-channel message as the messages it carries (a Results frame holds several)."""
+    return list(msg.items) if isinstance(msg, Results) else [msg]
 
 
 def encode_config(config: EngineConfig) -> str:

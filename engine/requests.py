@@ -17,8 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import msgspec
-
 from engined.engine import protocol as proto
 from engined.engine.backend import Admission, Backend, Delta, Event, Finished, RequestRejected
 
@@ -47,7 +45,7 @@ class _Active:
 
 class RequestTable:
     def __init__(self, backend: Backend, name: str, incarnation: int,
-                 send: Callable[[msgspec.Struct], None],
+                 send: Callable[[proto.TokenChunk | proto.GenerateResult], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.backend = backend
         self.name, self.incarnation = name, incarnation

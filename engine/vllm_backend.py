@@ -184,6 +184,8 @@ def _finish_reason(reason: object) -> str:
 
 
 class VllmBackend:
+    continuous_batching = True  # requests join a running batch at the next step
+
     def __init__(self, engine: Any, device: str, dtype: str, gpus: list[int],
                  torch: Any) -> None:
         from vllm import SamplingParams, TokensPrompt

@@ -19,7 +19,6 @@ from typing import Callable
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from engined.engine import protocol as proto
 from engined.engine.contract import control_endpoint, request_endpoint, routing_id
@@ -45,21 +44,23 @@ class EngineChannels:
         self.control_endpoint = control_endpoint(runtime_dir)
         self.request_endpoint = request_endpoint(runtime_dir)
         self.on_message = on_message  # returns None if applied, else a drop reason
-        self.ctx = zmq.asyncio.Context()
-        # The control channel carries every heartbeat: a plain socket drained from a reader
-        # callback costs far less per message than an awaited zmq.asyncio recv.
+        # Both channels are plain sockets drained from reader callbacks: that costs far less per
+        # message than an awaited zmq.asyncio recv (the control channel carries every heartbeat,
+        # the request channel every token chunk).
         self._sync_ctx = zmq.Context()
-        self.control = self._bind(zmq.PULL, self.control_endpoint, self._sync_ctx)
+        self.control = self._bind(zmq.PULL, self.control_endpoint)
         self.requests = self._bind(zmq.ROUTER, self.request_endpoint)
         self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error, not a drop
         self.dropped: collections.Counter[str] = collections.Counter()
         self._streams: dict[str, RequestStream] = {}
         self._last_log = 0.0
-        self._tasks: list[asyncio.Task[None]] = []
         self._control_fd = -1
+        self._requests_fd = -1
+        self._drain_due = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def _bind(self, kind: int, endpoint: str, ctx: zmq.Context | None = None) -> zmq.Socket:
-        sock = (ctx or self.ctx).socket(kind)
+    def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
+        sock = self._sync_ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         # Bound frames: a hostile or corrupt sender cannot make us allocate without limit.
@@ -68,22 +69,24 @@ class EngineChannels:
         return sock
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._control_fd = int(self.control.getsockopt(zmq.FD))
         loop.add_reader(self._control_fd, self._drain_control)
-        self._tasks = [loop.create_task(self._read_results(), name="ipc:requests")]
+        self._requests_fd = int(self.requests.getsockopt(zmq.FD))
+        loop.add_reader(self._requests_fd, self._drain_requests)
         loop.call_soon(self._drain_control)  # the FD is edge-triggered: catch early arrivals
+        loop.call_soon(self._drain_requests)
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         for stream in list(self._streams.values()):
             stream.fail(RequestFailed("engined is shutting down"))
-        asyncio.get_running_loop().remove_reader(self._control_fd)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._control_fd)
+        if self._requests_fd >= 0:
+            loop.remove_reader(self._requests_fd)
+            self._requests_fd = -1
         self.control.close(linger=0)
         self.requests.close(linger=0)
-        self.ctx.term()
         self._sync_ctx.term()
 
     # --- control channel ---------------------------------------------------------------------
@@ -122,9 +125,17 @@ class EngineChannels:
                         dict(self.dropped))
 
     # --- request channel ---------------------------------------------------------------------
-    async def _read_results(self) -> None:
-        while True:
-            frames: list[bytes] = await self.requests.recv_multipart()  # type: ignore[misc]
+    def _drain_requests(self) -> None:
+        """Read every queued request-channel message. The FD signals edges, and a send on the
+        same socket may consume one: every send schedules a drain too (`_kick`)."""
+        self._drain_due = False
+        if self._requests_fd < 0:
+            return
+        while int(self.requests.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            try:
+                frames = self.requests.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
             if len(frames) != 2:
                 self._drop("malformed", f"{len(frames)}-part request-channel message")
                 continue
@@ -136,6 +147,11 @@ class EngineChannels:
                 continue
             self._resolve(identity, msg)
 
+    def _kick(self) -> None:
+        if not self._drain_due and self._loop is not None:
+            self._drain_due = True
+            self._loop.call_soon(self._drain_requests)
+
     def _resolve(self, identity: bytes, msg: proto.RequestMessage) -> None:
         if isinstance(msg, proto.Ready):
             if identity != routing_id(msg.engine, msg.incarnation):
@@ -143,9 +159,18 @@ class EngineChannels:
                 return
             self._apply(msg)
             return
+        if isinstance(msg, proto.Results):
+            if not msg.items:
+                self._drop("malformed", f"empty Results from {identity!r}")
+            for item in msg.items:
+                self._deliver(identity, item)
+            return
         if not isinstance(msg, (proto.GenerateResult, proto.TokenChunk)):
             self._drop("unexpected", f"{type(msg).__name__} from {identity!r}")
             return
+        self._deliver(identity, msg)
+
+    def _deliver(self, identity: bytes, msg: proto.GenerateResult | proto.TokenChunk) -> None:
         stream = self._streams.get(msg.id)
         if stream is None or identity != routing_id(stream.engine, stream.incarnation):
             self._drop("stale", f"{type(msg).__name__} {msg.id!r} from {identity!r}")
@@ -196,6 +221,8 @@ class EngineChannels:
             self.requests.send_multipart([identity, frame], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             raise RequestFailed(f"cannot send to {identity.decode()}: {exc.strerror}") from None
+        finally:
+            self._kick()
 
     def wake(self, engine: str, incarnation: int) -> None:
         """Best effort: end a data-parallel rank's idle poll so it joins its peers' next step."""
@@ -204,6 +231,7 @@ class EngineChannels:
                                          flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # not routable (yet): it joins at the end of its idle poll
+        self._kick()
 
     def fail_engine(self, engine: str, incarnation: int, reason: str) -> None:
         """The engine's incarnation is gone: fail its in-flight requests now, not at timeout."""

@@ -55,11 +55,13 @@ class Job:
     include_usage: bool
 
     def request(self, request_id: str, resume: list[int]) -> proto.GenerateRequest:
-        """The engine request (always streamed from the engine: a request that moves resumes
-        after the tokens the gateway has seen)."""
+        """The engine request. A streamed one is streamed from the engine too, so a request
+        that moves resumes after the tokens the client has seen. A client that waits for the
+        whole answer has seen nothing until it ends: its engine request is not streamed (that
+        costs the engine a message per token), and one that moves starts again."""
         return proto.GenerateRequest(request_id, prompt=self.prompt, prompt_ids=self.prompt_ids,
                                      messages=self.messages, sampling=self.sampling,
-                                     stream=True, resume=resume)
+                                     stream=self.stream, resume=resume)
 
 
 # --- requests ---------------------------------------------------------------------------------

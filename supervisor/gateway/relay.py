@@ -1,10 +1,11 @@
 """Running one client request on the fleet so that no engine death loses it.
 
-The engine request is always streamed from the engine, so the relay knows every token it has
-forwarded. If the replica goes away (it crashed, was declared hung or stalled, or was stopped)
-the request is sent again to another routable replica (or to the replacement, when none is
-READY): before the first token from scratch, mid-stream with `resume` = the token ids already
-delivered (the engine continues after them; stop strings are checked across the seam). At most
+A streamed request is streamed from the engine too, so the relay knows every token it has
+forwarded; a client that waits for the whole answer gets it in one piece from the engine. If the
+replica goes away (it crashed, was declared hung or stalled, or was stopped) the request is sent
+again to another routable replica (or to the replacement, when none is READY): from scratch
+when nothing was delivered yet, mid-stream with `resume` = the token ids already delivered (the
+engine continues after them; stop strings are checked across the seam). At most
 `migration_limit` moves, then an error. The client sees one uninterrupted answer; `usage`
 reports the original prompt. A seeded sampled request is not reproduced after a move.
 """

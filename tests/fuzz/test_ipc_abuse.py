@@ -97,18 +97,21 @@ def expected_control(frames: list[bytes], current: dict[str, int]) -> str | None
     return None  # the current incarnation: a real engine's message (never generated here)
 
 
-def expected_request(frames: list[bytes]) -> str | None:
-    """The drop kind for frames a DEALER sends (the ROUTER prepends our identity, which is
-    ZeroMQ's generated one: never an engine's `name:incarnation`)."""
+def expected_request(frames: list[bytes]) -> list[str]:
+    """The drop kinds for frames a DEALER sends (the ROUTER prepends our identity, which is
+    ZeroMQ's generated one: never an engine's `name:incarnation`): one per message carried."""
     if len(frames) != 1:
-        return "malformed"
+        return ["malformed"]
     try:
         msg = proto.decode_request(frames[0])
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return "malformed"
+        return ["malformed"]
     if isinstance(msg, proto.Ready):
-        return "forged"  # a READY must come from the engine's own routing identity
-    return "stale" if isinstance(msg, proto.GenerateResult) else "unexpected"
+        return ["forged"]  # a READY must come from the engine's own routing identity
+    if isinstance(msg, proto.Results):
+        return ["stale"] * len(msg.items) if msg.items else ["malformed"]
+    return ["stale" if isinstance(msg, (proto.GenerateResult, proto.TokenChunk))
+            else "unexpected"]
 
 
 # --- generated frames ----------------------------------------------------------------------------
@@ -135,13 +138,17 @@ def _messages(incarnation: st.SearchStrategy[int]) -> st.SearchStrategy[msgspec.
         st.builds(proto.GenerateResult, st.text(max_size=8), _ENGINE_NAMES, incarnation,
                   st.text(max_size=8)),
         st.builds(proto.Wake),
+        st.builds(proto.Results, st.lists(st.one_of(
+            st.builds(proto.GenerateResult, st.text(max_size=8), _ENGINE_NAMES, incarnation),
+            st.builds(proto.TokenChunk, st.text(max_size=8), _ENGINE_NAMES, incarnation,
+                      st.lists(_INTS, max_size=3), st.text(max_size=4))), max_size=3)),
     )
 
 
 def _raw_maps() -> st.SearchStrategy[bytes]:
     """msgpack maps close to real messages: a real tag with wrong, missing or extra fields."""
     tags = st.sampled_from(["hello", "progress", "ready", "hb", "bye", "gen", "result", "wake",
-                            "nope", ""])
+                            "tok", "results", "nope", ""])
     values = st.one_of(st.none(), st.booleans(), _INTS, _FLOATS, st.text(max_size=8),
                        st.binary(max_size=8), st.lists(_INTS, max_size=3))
     fields = st.dictionaries(st.sampled_from(["engine", "incarnation", "iteration", "pid",
@@ -194,8 +201,7 @@ def test_generated_frames_are_dropped_and_counted_exactly(engined):
                 expected[kind] += 1
             sender.push.send_multipart(parts)
         for parts in requests:
-            kind = expected_request(parts)
-            if kind is not None:
+            for kind in expected_request(parts):
                 expected[kind] += 1
             sender.dealer.send_multipart(parts)
 

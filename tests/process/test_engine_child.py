@@ -40,9 +40,9 @@ def test_handshake_serving_and_sigterm_cleanup(channels: Channels, tiny_cache: P
     while len(results) < len(prompts):
         assert channels.requests.poll(60_000), results
         _, frame = channels.requests.recv_multipart()
-        result = proto.decode_request(frame)
-        assert isinstance(result, proto.GenerateResult) and result.error is None, result
-        results[result.id] = result
+        for result in proto.messages_of(proto.decode_request(frame)):
+            assert isinstance(result, proto.GenerateResult) and result.error is None, result
+            results[result.id] = result
     for rid, result in results.items():
         assert result.text and 0 < result.completion_tokens <= 16, result
         assert result.prompt_tokens == len(prompts[rid])  # byte-level tokenizer

@@ -29,8 +29,8 @@ class Engine:
         if not self.channels.requests.poll(int(timeout_s * 1000)):
             return False
         _, frame = self.channels.requests.recv_multipart()
-        msg = proto.decode_request(frame)
-        self.events.setdefault(msg.id, []).append((time.monotonic(), msg))
+        for msg in proto.messages_of(proto.decode_request(frame)):
+            self.events.setdefault(msg.id, []).append((time.monotonic(), msg))
         return True
 
     def result(self, request_id: str, timeout_s: float = 60.0) -> proto.GenerateResult:
