@@ -64,12 +64,17 @@ _WARM_UP_ID = "engined-warm-up"
 _WARM_UP_MAX_STEPS = 64
 
 
-def build_vllm_backend(config: EngineConfig, progress: ProgressFn) -> VllmBackend:
-    progress("import", "torch, vllm")
+def prepare_environment() -> None:
+    """Before vLLM is imported (here, or in a fork server that preloads it)."""
     for key, value in _FORCED_ENV.items():
         os.environ[key] = value
     for key, value in _DEFAULT_ENV.items():
         os.environ.setdefault(key, value)
+
+
+def build_vllm_backend(config: EngineConfig, progress: ProgressFn) -> VllmBackend:
+    progress("import", "torch, vllm")
+    prepare_environment()
     torch = _import("torch")
     # Before the build: vLLM's CPU worker replaces torch.set_num_threads with a no-op.
     torch.set_num_threads(max(1, config.threads))

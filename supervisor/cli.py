@@ -172,7 +172,7 @@ def status_row(engine: Mapping[str, Any], now: float) -> list[str]:
     since = engine.get("since")
     return [
         str(engine.get("name")),
-        str(engine.get("state")),
+        str(engine.get("state")) + (" (standby)" if engine.get("role") == "standby" else ""),
         _dash(engine.get("pid")),
         _dash(engine.get("restarts")),
         "-" if since is None else humanize_duration(now - since),
@@ -211,9 +211,10 @@ def select_engines(engines: list[dict[str, Any]], names: list[str]) -> list[dict
 
 
 def _not_ready(engines: list[dict[str, Any]], named: bool) -> bool:
-    # Without names, engines an operator stopped on purpose do not count against health.
+    # Without names, engines an operator stopped on purpose, and standbys (the fleet serves in
+    # full while one builds), do not count against health.
     return any(e.get("state") != "READY" for e in engines
-               if named or e.get("desired", "run") == "run")
+               if named or e.get("desired", "run") == "run" and e.get("role") != "standby")
 
 
 def cmd_status(client: Client, args: argparse.Namespace) -> int:

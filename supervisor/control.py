@@ -49,6 +49,7 @@ class ControlContext:
         self.reload = reload
         self.started = time.time()
         self.generation = 1
+        self.fork_servers: Callable[[], list[dict[str, Any]]] = list  # the launcher's
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -204,7 +205,8 @@ class _Routes:
         supervisor = {"pid": os.getpid(), "version": __version__,
                       "uptime_s": round(time.time() - ctx.started, 3),
                       "config": ctx.config_path, "generation": ctx.generation,
-                      "ipc_dropped": dict(ctx.channels.dropped)}
+                      "ipc_dropped": dict(ctx.channels.dropped),
+                      "fork_servers": ctx.fork_servers()}
         views = ctx.fleet.view().engines
         sample = await ctx.sampler.sample([v.pid for v in views if v.pid is not None])
         engines = [engine_status(v, sample) for v in views]
@@ -392,6 +394,8 @@ def engine_status(view: EngineView, sample: Sample) -> dict[str, Any]:
         "queue": {"waiting": hb.waiting, "running": hb.running} if hb else None,
         "gpu_memory": _gpu_memory(view, sample),
         "port": view.port,
+        "launcher": view.launcher or None,
+        "role": "standby" if view.standby else "serving",
     }
 
 

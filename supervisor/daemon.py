@@ -25,6 +25,7 @@ from engined.supervisor import __version__
 from engined.supervisor.clock import SystemClock
 from engined.supervisor.control import ControlContext, make_app
 from engined.supervisor.fleet import Fleet
+from engined.supervisor.forkserver import ForkServerLauncher
 from engined.supervisor.gateway.app import ApiKey, Gateway
 from engined.supervisor.gateway.router import Router
 from engined.supervisor.groups import Owner
@@ -83,7 +84,9 @@ class Daemon:
         self.probes = ProbeClient()  # command engines' HTTP probes and progress reads
         self.nofile: int | None = None  # the soft limit engined started with (children's)
         self.watcher = ChildWatcher()  # every child's pidfd; the reaper reaps only others
-        self.reaper = Reaper(lambda: self.watcher.pids)
+        self.reaper = Reaper(lambda: self.watcher.pids, lambda: self.watcher.holds > 0)
+        self.watcher.on_release = self.reaper.reap_orphans
+        self.launcher: ForkServerLauncher | None = None
         self.guard = Guard(self.watcher)
         self._stopping = False
         self.gateway: Gateway | None = None
@@ -186,10 +189,11 @@ class Daemon:
         assert self.channels is not None
         channels = self.channels
         pythonpath = expose_engine_package(self.runtime_dir / "python")
+        self.launcher = ForkServerLauncher(
+            ExecLauncher(loop, pythonpath, budget=self.budget, nofile=self.nofile,
+                         watcher=self.watcher), self.log_dir)
         deps = ReplicaDeps(
-            loop=loop, clock=self.clock,
-            launcher=ExecLauncher(loop, pythonpath, budget=self.budget, nofile=self.nofile,
-                                  watcher=self.watcher),
+            loop=loop, clock=self.clock, launcher=self.launcher,
             log_dir=self.log_dir, control_endpoint=channels.control_endpoint,
             request_endpoint=channels.request_endpoint,
             heartbeat_interval_s=self.spec.supervisor.heartbeat_interval_s,
@@ -204,6 +208,8 @@ class Daemon:
         assert self.fleet is not None and self.channels is not None
         self.control = ControlContext(self.fleet, self.channels, self.sampler, self.config_path,
                                       reload=self.request_reload)
+        if self.launcher is not None:
+            self.control.fork_servers = self.launcher.describe
         runner = make_runner(make_app(self.control), MAX_CONTROL_CONNECTIONS,
                              self.budget.may_accept)
         await runner.setup()
@@ -328,6 +334,8 @@ class Daemon:
             await runner.cleanup()
         self.monitor.stop()
         self._stopping = True
+        if self.launcher is not None:
+            await self.launcher.close()
         await self.guard.close()
         await self.probes.close()
         if self.gateway is not None:

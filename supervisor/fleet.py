@@ -245,12 +245,19 @@ class Fleet:
         replica = self.replicas.get(msg.engine) or self.retiring.get(msg.engine)
         if replica is None:
             return "unknown_engine"
-        return None if replica.on_message(msg) else "stale"
+        if replica.on_message(msg):
+            return None
+        # a child promoted from a standby speaks under the standby's name and incarnation
+        address = (msg.engine, msg.incarnation)
+        adopter = next((r for r in self.replicas.values() if r.address == address
+                        and r is not replica), None)
+        return None if adopter is not None and adopter.on_message(msg) else "stale"
 
     # --- requests ----------------------------------------------------------------------------
     def pick_engine(self, name: str | None, channels: EngineChannels) -> Replica:
         """A READY replica, the least loaded first, round-robin among equals."""
         named = self.resolve(name) if name else list(self.replicas.values())
+        named = [r for r in named if not r.standby] or named  # a standby is asked for by name
         candidates = [r for r in named if not r.spec.is_command]
         if named and not candidates:
             raise NoEngineReady(f"{name!r} is a command engine (a server of its own): send its "
@@ -259,7 +266,7 @@ class Fleet:
         if not ready:
             raise NoEngineReady(f"no READY engine{' in ' + repr(name) if name else ''}")
         self._rr += 1
-        load = {r.name: channels.in_flight(r.name) for r in ready}
+        load = {r.name: channels.in_flight(r.address[0]) for r in ready}
         least = min(load.values())
         choices = [r for r in ready if load[r.name] == least]
         return choices[self._rr % len(choices)]
@@ -273,8 +280,8 @@ class Fleet:
         if isinstance(owner, Gang):  # its peers must join the lockstep step: wake them now
             for peer in owner.members:
                 if peer is not replica and peer.state is EngineState.READY:
-                    channels.wake(peer.name, peer.incarnation)
-        return replica, channels.open(replica.name, replica.incarnation, request)
+                    channels.wake(*peer.address)
+        return replica, channels.open(*replica.address, request)
 
     async def generate(self, channels: EngineChannels, request: proto.GenerateRequest,
                        engine: str | None, timeout_s: float) -> proto.GenerateResult:

@@ -31,6 +31,7 @@ from engined.supervisor.policy import (
     decide_spawn_failure,
 )
 from engined.supervisor.replica import Down, Replica, SpawnFailure
+from engined.supervisor.state import EngineState
 
 log = logging.getLogger("engined.group")
 
@@ -68,9 +69,22 @@ class ReplicaGroup:
             spec.backoff, spec.start_limit, self.rng.uniform(-1.0, 1.0))
         if down.config_error and decision.action is Action.FAIL:
             decision = dataclasses.replace(decision, why=f"exit 78: {down.config_error}")
+        spare = self._spare_for(replica) if decision.action is Action.RESTART else None
         log.warning("[exit] %s pid %d %s (reason %s): %s", replica.name, down.pid,
-                    down.description, down.reason.value, describe(decision))
-        replica.apply(decision, down.reason)
+                    down.description, down.reason.value,
+                    f"promoting standby {spare.name}" if spare else describe(decision))
+        if spare is not None:
+            replica.promote(spare, down.reason)
+        else:
+            replica.apply(decision, down.reason)
+
+    def _spare_for(self, replica: Replica) -> Replica | None:
+        """A READY standby to take over a serving replica that died (restarts as usual when
+        none is ready: the standby is still building, or there is none)."""
+        if replica.standby or not replica.wanted:
+            return None
+        return next((m for m in self.members if m.standby and m.wanted and m.pid is not None
+                     and m.state is EngineState.READY), None)
 
     def on_spawn_failed(self, replica: Replica, failure: SpawnFailure) -> None:
         spec = replica.spec

@@ -73,6 +73,7 @@ class Child:
     output_fd: int  # read end of the child's stdout+stderr pipe (the caller owns it)
     exited: asyncio.Future[ExitRecord]
     spawned_at: float = field(default_factory=time.monotonic)
+    launcher: str = "exec"  # what started it: "forkserver", "exec", "exec (why not forked)"
 
     @property
     def alive(self) -> bool:
@@ -88,7 +89,8 @@ class Child:
 
 
 class Launcher(Protocol):
-    def spawn(self, config: EngineConfig, env: Mapping[str, str]) -> Child: ...
+    async def spawn(self, config: EngineConfig, env: Mapping[str, str],
+                    launcher: str = "") -> Child: ...
 
     def spawn_command(self, spec: EngineSpec, incarnation: int, port: int | None) -> Child: ...
 
@@ -203,7 +205,8 @@ class ExecLauncher:
         self.budget = budget
         self.nofile = nofile
 
-    def spawn(self, config: EngineConfig, env: Mapping[str, str]) -> Child:
+    async def spawn(self, config: EngineConfig, env: Mapping[str, str],
+                    launcher: str = "") -> Child:
         """Start the child; raises OSError if it could not be started (nothing is left behind:
         a child whose exit could not be watched is killed and reaped at once)."""
         if self.budget is not None:
@@ -211,7 +214,6 @@ class ExecLauncher:
         python = config.python or self.python
         return self._spawn(python, [python, "-m", ENGINE_MODULE],
                            child_environment(config, env, self.pythonpath, self.nofile))
-
 
     def spawn_command(self, spec: EngineSpec, incarnation: int, port: int | None) -> Child:
         """Start a command engine (a server engined did not write) through the exec shim."""
@@ -264,6 +266,18 @@ class ChildWatcher:
     def __init__(self) -> None:
         self.pids: set[int] = set()
         self.on_change: Callable[[int, bool], None] | None = None  # (pid, watched now)
+        # A fork server's engine is the daemon's child before its pid is known here: while a
+        # spawn is between the two, the reaper must not reap (it would take that exit status).
+        self.holds = 0
+        self.on_release: Callable[[], None] | None = None  # the reaper catches up
+
+    def hold(self) -> None:
+        self.holds += 1
+
+    def release(self) -> None:
+        self.holds -= 1
+        if self.holds == 0 and self.on_release is not None:
+            self.on_release()
 
     def watch(self, pid: int) -> asyncio.Future[ExitRecord]:
         """Watch `pid` from the running loop (call on the event-loop thread)."""

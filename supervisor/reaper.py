@@ -73,8 +73,10 @@ class Reaper:
     """Reaps adopted orphans and clears an incarnation's leftovers. `supervised()` gives the
     pids watched by their pidfd (never reaped here)."""
 
-    def __init__(self, supervised: Callable[[], set[int]]) -> None:
+    def __init__(self, supervised: Callable[[], set[int]],
+                 held: Callable[[], bool] = lambda: False) -> None:
         self.supervised = supervised
+        self.held = held  # a fork-server spawn in progress: its engine is not watched yet
         self.killed_total = 0
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -82,6 +84,8 @@ class Reaper:
 
     def reap_orphans(self) -> None:
         """SIGCHLD: reap children that are not supervised (adopted descendants, by pid)."""
+        if self.held():
+            return  # called again on release
         watched = self.supervised()
         for pid in children_of(os.getpid()) - watched:
             try:

@@ -36,6 +36,7 @@ class ReloadPlan:
 
 def identity(spec: EngineSpec) -> EngineSpec:
     """What must stay equal for a running replica to be left alone."""
+    spec = dataclasses.replace(spec, launcher="")  # applies from the next spawn
     return spec if spec.data_parallel else dataclasses.replace(spec, replicas=0)
 
 
@@ -51,7 +52,8 @@ def plan_reload(old: FleetSpec, new: FleetSpec) -> ReloadPlan:
                       supervisor_changes(old.supervisor, new.supervisor))
 
 
-LIVE_SUPERVISOR_KEYS = ("api_key_file",)  # applied by a reload (the token file is re-read)
+# applied by a reload: the token file is re-read; the launcher is the engines' (next spawn)
+LIVE_SUPERVISOR_KEYS = ("api_key_file", "launcher")
 
 
 def supervisor_changes(old: SupervisorSpec, new: SupervisorSpec) -> tuple[str, ...]:

@@ -48,7 +48,7 @@ from engined.supervisor.view import EngineView, LastExit
 
 log = logging.getLogger("engined.engine")
 
-EXIT_TAIL_LINES = 20
+EXIT_TAIL_LINES = 40  # a fault report with its stack (fork-served engines have 5 frames more)
 KILL_WAIT_S = 5.0  # after SIGKILL a process is normally reaped in milliseconds
 
 
@@ -181,8 +181,20 @@ class Replica:
         self._verdict: str | None = None  # a command engine's probes declared it hung
         self._probing: asyncio.Task[None] | None = None
         self.draining = False  # out of routing (a rolling restart, a shutdown); still serving
-        self.standby = False  # a warm spare: built and heartbeating, not routed
+        # The live child's own name and incarnation (its routing identity, what its messages
+        # carry) and its descendants' mark: this replica's, unless it was promoted from a standby
+        self.address: tuple[str, int] = (spec.name, 0)
+        self._token = ""
+        self._release = False  # a standby handing its child over: stop watching it
+        # A forked child runs before its spawn returns: what it says meanwhile (HELLO, even
+        # READY) is kept and replayed once its pid and incarnation are ours
+        self._spawning: tuple[str, int] | None = None
+        self._early: list[proto.ChildMessage] = []
 
+    @property
+    def standby(self) -> bool:
+        """A warm spare: built and heartbeating, not routed; promoted when a replica dies."""
+        return self.spec.standby
     @property
     def name(self) -> str:
         return self.spec.name
@@ -242,7 +254,8 @@ class Replica:
             fail_reason=self.fail_reason, last_exit=rec.last_exit, last_cleanup=dict(rec.cleanup),
             cpu_seconds_exited=rec.cpu_seconds_exited,
             requests=tuple(rec.requests.items()), data_parallel=spec.data_parallel,
-            port=self.port, command=spec.is_command)
+            port=self.port, command=spec.is_command, standby=spec.standby,
+            launcher=self.child.launcher if self.child is not None else "")
 
     def count_request(self, outcome: str) -> None:
         self.record.requests[outcome] += 1
@@ -264,15 +277,18 @@ class Replica:
                 await asyncio.sleep(1.0)
 
     async def _step(self) -> None:
-        if self._watching:  # resume watching a child (after an internal error, say)
-            await self._watch()
+        if self._watching:  # a child adopted from a standby, or after an internal error, say
+            ended = await self._watch()
+            if ended is not None:
+                await self._clear_leftovers(*ended)
             return
         due, now = self._spawn_due, self.clock.monotonic()
         if due is not None and reached(now, due) and self.desired is Desired.RUN:
             self._spawn_due = None
-            if self._spawn():
-                await self._watch()
-                await self._clear_leftovers()
+            if await self._spawn():
+                ended = await self._watch()
+                if ended is not None:
+                    await self._clear_leftovers(*ended)
             return
         await self._sleep(due)
 
@@ -284,35 +300,47 @@ class Replica:
         except asyncio.TimeoutError:
             self.deps.monitor.note(until or 0.0, self.clock.monotonic())
 
-    def _spawn(self) -> bool:
+    async def _spawn(self) -> bool:
         """Start a child; False (and the owner told) if it could not be started at all."""
         if self._pending_reason is not None:  # counted per attempt, whether it spawns or not
             self.record.restarts[self._pending_reason] += 1
             self._pending_reason = None
+        self._spawning, self._early = (self.name, self.incarnation + 1), []
         try:
             if self.spec.is_command:
                 port = pick_port(self.spec)
                 child = self.deps.launcher.spawn_command(self.spec, self.incarnation + 1, port)
                 self.port = port
             else:
-                child = self.deps.launcher.spawn(self._child_config(self.incarnation + 1),
-                                                 dict(self.spec.env))
+                child = await self.deps.launcher.spawn(
+                    self._child_config(self.incarnation + 1), dict(self.spec.env),
+                    self.spec.launcher)
         except OSError as exc:
+            self._early = []
             self._spawn_failed(exc)
             return False
+        finally:
+            self._spawning = None
         self.incarnation += 1
         self.child = child
+        self.address = (self.name, self.incarnation)
+        self._token = owner_token(self.name, self.incarnation)
         self._watching = True
         self._pipe = PipeReader(self.deps.loop, child.output_fd, self.log)
         self._log_mark = self.log.lines_total
         self.vitals = _Vitals(spawned_at=self.child.spawned_at)
         self.restart_at = None
         self._set_state(EngineState.STARTING)
-        self.log.note(f"spawned pid {child.pid} incarnation {self.incarnation}")
-        log.info("[spawn] %s pid %d incarnation %d", self.name, child.pid, self.incarnation)
+        how = "" if self.spec.is_command else f" by {child.launcher}"
+        self.log.note(f"spawned pid {child.pid} incarnation {self.incarnation}{how}")
+        log.info("[spawn] %s pid %d incarnation %d%s", self.name, child.pid, self.incarnation,
+                 how)
         self._verdict = None
         if self.spec.is_command:
             self._watch_command()
+        early, self._early = self._early, []
+        for msg in early:
+            self.on_message(msg)
         return True
 
     def _watch_command(self) -> None:
@@ -344,23 +372,29 @@ class Replica:
         self.log.note(text)
         self.owner.on_spawn_failed(self, SpawnFailure(exc.errno, text, self.clock.monotonic()))
 
-    async def _clear_leftovers(self) -> None:
+    async def _clear_leftovers(self, pid: int, incarnation: int, token: str,
+                               gpus: tuple[int, ...]) -> None:
         """Everything the exited incarnation started is gone before its replacement spawns
         (descendants that left its process group included), and so is their GPU memory."""
-        dead = {self.child.pid} if self.child is not None else set()
+        dead = {pid}
         if self.deps.reaper is not None:
-            dead |= set(await self.deps.reaper.clear(self.name, self.incarnation,
-                                                     owner_token(self.name, self.incarnation)))
+            dead |= set(await self.deps.reaper.clear(self.name, incarnation, token))
         if self.deps.nvml is not None:
-            await wait_gpu_released(self.deps.nvml, self.name, dead, self.spec.gpus)
+            await wait_gpu_released(self.deps.nvml, self.name, dead, gpus)
 
-    async def _watch(self) -> None:
-        """Until the child exits: enforce liveness and carry out stop/restart commands."""
+    async def _watch(self) -> tuple[int, int, str, tuple[int, ...]] | None:
+        """Until the child exits: enforce liveness and carry out stop/restart commands. Returns
+        what its leftovers are found by (pid, incarnation, mark, GPUs), or None if it was
+        handed over."""
         child = self.child
         assert child is not None
+        ended = (child.pid, self.incarnation, self._token, self.spec.gpus)
         killed_for: Reason | None = None
         requested: _Command | None = None
         while child.alive:
+            if self._release:  # promoted: another replica watches it from now on
+                self._release = False
+                return None
             now = self.clock.monotonic()
             if self._command is not None and requested is None:
                 requested, self._command = self._command, None
@@ -377,7 +411,11 @@ class Replica:
                     self._kill_for(child, killed_for)
                     next_at = self._term_deadline
             await self._wait_exit_or_wake(child, next_at)
+        if self._release and self.child is not child:
+            self._release = False  # handed over as it died: its new owner reports the exit
+            return None
         self._on_exit(child, child.exited.result(), killed_for, requested)
+        return ended
 
     async def _wait_exit_or_wake(self, child: Child, until: float | None) -> None:
         """Until the child exits, a wake-up, or monotonic time `until`. A timer that fires late
@@ -481,7 +519,7 @@ class Replica:
         self._term_deadline = None
         status = record.status
         reason = exit_reason(status, killed_for)
-        self.deps.on_exit(self.name, self.incarnation, _lost_because(reason, requested))
+        self.deps.on_exit(*self.address, _lost_because(reason, requested))
         self.record.cpu_seconds_exited += record.cpu_seconds
         expected = requested is not None or killed_for is not None
         self.log.note(f"pid {child.pid} exited: {status.describe(not expected)}")
@@ -539,6 +577,47 @@ class Replica:
         else:
             self.desired = Desired.STOPPED
             self._set_state(EngineState.STOPPED)
+
+    def promote(self, spare: Replica, reason: Reason) -> None:
+        """Take over a READY standby's child at once (this replica's own child has just died,
+        its exit handled): routable under this name from now on, a new incarnation counted
+        with `reason`. The standby starts building a new spare; GPUs swap with the child."""
+        assert spare.child is not None and spare.vitals is not None and not self._watching
+        now = self.clock.monotonic()
+        child, vitals, pipe = spare.child, spare.vitals, spare._pipe
+        my_gpus, spare_gpus = self.spec.gpus, spare.spec.gpus
+        spare.hand_over()
+        if my_gpus != spare_gpus:  # the child keeps its GPUs; the new spare gets these
+            self.spec = dataclasses.replace(self.spec, gpus=spare_gpus)
+            spare.spec = dataclasses.replace(spare.spec, gpus=my_gpus)
+        self.record.restarts[reason] += 1
+        self.incarnation += 1
+        self.child, self.vitals, self._pipe = child, vitals, pipe
+        self.address, self._token = spare.address, spare._token
+        if pipe is not None:
+            pipe.sink = self.log
+        self._log_mark = self.log.lines_total
+        vitals.ready_at = vitals.heartbeat_at = now
+        self.record.startup_s = 0.0
+        self._watching, self._verdict, self._term_deadline = True, None, None
+        self._spawn_due, self._pending_reason, self.restart_at = None, None, None
+        self.log.note(f"promoted standby {spare.name}'s pid {child.pid} (its incarnation "
+                      f"{spare.address[1]}) as incarnation {self.incarnation}")
+        log.warning("[standby] %s: promoted %s's pid %d as incarnation %d; %s builds a new "
+                    "standby", self.name, spare.name, child.pid, self.incarnation, spare.name)
+        self._set_state(EngineState.STARTING)
+        self._set_state(EngineState.READY)
+        self._wake.set()
+
+    def hand_over(self) -> None:
+        """A standby's child goes to the replica it replaces; a new standby is built now."""
+        self.child, self.vitals, self._pipe = None, None, None
+        self._watching = False
+        self._release = True
+        self._spawn_due = self.clock.monotonic()
+        self.log.note("handed over to the replica it replaces; building a new standby")
+        self._set_state(EngineState.STARTING)
+        self._wake.set()
 
     def hold(self, reason: Reason) -> None:
         """Down, waiting for the owner's decision (a gang whose other ranks are stopping);
@@ -618,13 +697,16 @@ class Replica:
     # --- messages from the child -------------------------------------------------------------
     def on_message(self, msg: proto.ChildMessage) -> bool:
         """Apply a message from the child; False if it is from another incarnation."""
+        if self._spawning is not None and (msg.engine, msg.incarnation) == self._spawning:
+            self._early.append(msg)  # its spawn has not returned yet
+            return True
         if isinstance(msg, proto.Goodbye) and 0 < msg.incarnation <= self.incarnation:
             # A cleanup report may arrive after an immediate restart already began: it changes
             # no state, so keep it (with its incarnation) rather than drop it as stale.
             self.record.cleanup = {**msg.cleanup, "incarnation": float(msg.incarnation)}
             return True
         vitals = self.vitals
-        if msg.incarnation != self.incarnation or vitals is None or self.pid is None:
+        if (msg.engine, msg.incarnation) != self.address or vitals is None or self.pid is None:
             return False
         now = self.clock.monotonic()
         if isinstance(msg, proto.Heartbeat):
@@ -672,7 +754,9 @@ class Replica:
     def _child_config(self, incarnation: int) -> proto.EngineConfig:
         spec = self.spec
         return proto.EngineConfig(
-            name=spec.name, group=spec.group, rank=spec.rank, replicas=spec.replicas,
+            # a standby is not a rank of the group (no data-parallel group has standbys)
+            name=spec.name, group=spec.group, rank=0 if spec.standby else spec.rank,
+            replicas=spec.replicas,
             incarnation=incarnation, model=spec.model.source, dtype=spec.model.dtype,
             gpus=list(spec.gpus), data_parallel=spec.data_parallel,
             max_batch_size=spec.max_batch_size, threads=spec.threads,

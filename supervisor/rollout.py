@@ -65,11 +65,11 @@ async def _replace(replica: Replica, reason: Reason, in_flight: Callable[[str], 
     budget = replica.spec.stop_timeout_s
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget
-    while in_flight(replica.name) and loop.time() < deadline:
+    while in_flight(replica.address[0]) and loop.time() < deadline:
         await asyncio.sleep(DRAIN_POLL_S)
-    if in_flight(replica.name):
+    if left := in_flight(replica.address[0]):
         log.warning("[rollout] %s: %d request(s) still running after %.0fs (stop_timeout): "
-                    "they move when it stops", replica.name, in_flight(replica.name), budget)
+                    "they move when it stops", replica.name, left, budget)
     incarnation = replica.incarnation
     replica.restart(reason)
     await _ready_after(replica, incarnation, replica.name)

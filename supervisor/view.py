@@ -58,6 +58,8 @@ class EngineView:
     data_parallel: bool
     port: int | None = None  # a command engine's port (its current or last incarnation's)
     command: bool = False  # a server engined did not write (probed, not heartbeating)
+    launcher: str = ""  # what started the current (or last) incarnation, and why not forked
+    standby: bool = False  # a warm spare of its group: not routed, not counted as serving
 
     @property
     def is_ready(self) -> bool:
@@ -79,7 +81,13 @@ class FleetView:
     engines: tuple[EngineView, ...]
 
     def wanted(self) -> list[EngineView]:
-        return [e for e in self.engines if e.wanted]
+        """The serving replicas that should run (standbys are counted apart: `standbys`)."""
+        return [e for e in self.engines if e.wanted and not e.standby]
+
+    def standbys(self) -> tuple[int, int]:
+        """(READY standbys, standbys that should run)."""
+        spares = [e for e in self.engines if e.wanted and e.standby]
+        return sum(1 for e in spares if e.is_ready), len(spares)
 
     def counts(self) -> tuple[int, int]:
         """(READY engines, engines that should run)."""
@@ -96,15 +104,20 @@ class FleetView:
         """/health: 200 only when every engine that should run is READY."""
         ready, wanted = self.counts()
         status = "ok" if ready == wanted else ("down" if not ready else "degraded")
-        body = {"status": status, "engines": {e.name: e.state.value for e in self.engines},
-                "ready": ready, "expected": wanted}
+        body: dict[str, Any] = {"status": status,
+                                "engines": {e.name: e.state.value for e in self.engines},
+                                "ready": ready, "expected": wanted}
+        spares_ready, spares = self.standbys()
+        if spares:  # a standby still building leaves the fleet serving in full: not degraded
+            body["standby"] = {"ready": spares_ready, "expected": spares}
         return (200 if status == "ok" else 503), body
 
     def readiness(self) -> tuple[int, dict[str, Any]]:
         """/readyz: 200 when every group that should serve has a READY replica; 503 when one has
         none, and when nothing should serve at all (every engine stopped)."""
-        groups = {group: any(e.is_ready for e in members if e.wanted)
-                  for group, members in self.groups().items() if any(e.wanted for e in members)}
+        groups = {group: any(e.is_ready for e in members if e.wanted and not e.standby)
+                  for group, members in self.groups().items()
+                  if any(e.wanted and not e.standby for e in members)}
         ok = bool(groups) and all(groups.values())
         status = "ready" if ok else ("not ready" if groups else "nothing to serve")
         return (200 if ok else 503), {"status": status, "groups": groups}

@@ -71,7 +71,8 @@ def engined(short_tmp: Path) -> Iterator[Callable[..., Daemon]]:
                 problems.append(f"engined pid {daemon.pid} did not exit cleanly on SIGTERM "
                                 f"(exit {code})")
             if daemon.proc is not None:
-                alive = wait_engines_gone(daemon.spawned_pids(), daemon.pid, ORPHAN_GRACE_S)
+                alive = wait_engines_gone(daemon.spawned_pids() | daemon.server_pids, daemon.pid,
+                                          ORPHAN_GRACE_S)
                 for pid in alive:
                     with contextlib.suppress(Exception):
                         os.kill(pid, signal.SIGKILL)

@@ -84,6 +84,7 @@ class Daemon:
         self.proc: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
         self.seen_pids: set[int] = set()
+        self.server_pids: set[int] = set()  # fork servers seen in status
         self.expect_unclean_exit = False  # set by tests that kill the daemon on purpose
         self.env_changes: dict[str, str | None] = dict(env or {})
         self.spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -172,6 +173,9 @@ class Daemon:
         assert code == 200, f"GET /v1/status -> {code}: {body!r}"
         data = json.loads(body)
         self.seen_pids.update(e["pid"] for e in data["engines"] if e.get("pid"))
+        # fork servers: the fixture checks that none outlives the daemon either
+        self.server_pids.update(s["pid"] for s in data["supervisor"].get("fork_servers", [])
+                                if s.get("pid"))
         return data
 
     def engines(self) -> dict[str, dict[str, Any]]:

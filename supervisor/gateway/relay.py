@@ -72,7 +72,7 @@ class Relay:
                         stream = self.upstream.open(replica, job, engine_id, list(delivered),
                                                     memo)
                     else:
-                        stream = self.channels.open(replica.name, replica.incarnation,
+                        stream = self.channels.open(*replica.address,
                                                     job.request(engine_id, list(delivered)))
                 except RequestFailed as exc:
                     lost: str = str(exc)

@@ -31,6 +31,7 @@ BUILTIN_MODELS = ("echo", "tiny-llama")
 # it (an unknown one exits 78 there). The daemon cannot import torch to check it here.
 _DTYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 RESTART_POLICIES = ("always", "on-failure", "never")
+LAUNCHERS = ("forkserver", "exec")  # how engine children start (command engines: exec)
 RESERVED_NAMES = ("all",)  # enginectl's "every engine"
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NOTIFY_SOCKET")  # plus the ENGINED_ prefix
 # ...except the knobs the engine child itself reads (engine/models.py, engine/llm.py): a spec

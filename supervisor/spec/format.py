@@ -9,7 +9,9 @@ from engined.supervisor.spec.model import EngineSpec, FleetSpec, SupervisorSpec
 def format_fleet(fleet: FleetSpec) -> str:
     """The resolved fleet as `engined --check` prints it."""
     groups = fleet.groups()
-    out = [f"fleet {fleet.source}: {len(groups)} group(s), {len(fleet.engines)} replica(s)"]
+    spares = sum(1 for e in fleet.engines if e.standby)
+    out = [f"fleet {fleet.source}: {len(groups)} group(s), {len(fleet.engines) - spares} "
+           f"replica(s)" + (f" + {spares} standby" if spares else "")]
     out += _format_supervisor(fleet.supervisor)
     out.append("engines:")
     for engine in fleet.engines:
@@ -87,7 +89,7 @@ def _format_engine(e: EngineSpec) -> list[str]:
         (
             "batch",
             f"max_batch_size {e.max_batch_size}, threads {e.threads}, "
-            f"data_parallel {'yes' if e.data_parallel else 'no'}",
+            f"data_parallel {'yes' if e.data_parallel else 'no'}, launcher {e.launcher}",
         ),
         (
             "serving",
@@ -121,4 +123,7 @@ def _format_engine(e: EngineSpec) -> list[str]:
         args = ", ".join(f"{k}={v}" for k, v in e.engine_args) or "-"
         rows.insert(1, ("backend", _printable(f"{e.backend}; engine_args {args}")))
     head = f"  {e.name}  (group {e.group}, rank {e.rank} of {e.replicas})"
+    if e.standby:
+        head = (f"  {e.name}  (group {e.group}, warm standby {e.rank}: built and heartbeating, "
+                f"not routed; takes over a replica that dies)")
     return [head] + [f"    {key:<10}{value}" for key, value in rows]

@@ -130,6 +130,8 @@ class EngineSpec:
     probe: ProbeSpec | None = None
     progress: ProgressSpec | None = None
     openai: str = ""  # the gateway proxies to its OpenAI API: "" no, "openai", "vllm" (+ ids)
+    launcher: str = "forkserver"  # forkserver | exec (command engines: always exec)
+    standby: bool = False  # a warm spare of its group (built, heartbeating, never routed)
 
     @property
     def is_command(self) -> bool:
@@ -146,6 +148,7 @@ class SupervisorSpec:
     log_dir: str | None
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
+    launcher: str = "forkserver"  # every engine's, unless it sets its own
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ checks across engines)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from engined.supervisor.spec.checks import (
     _NAME_RE,
     BACKENDS,
     DEFAULT_HTTP,
+    LAUNCHERS,
     MAX_GPU_INDEX,
     RESERVED_NAMES,
     RESTART_POLICIES,
@@ -48,6 +50,7 @@ from engined.supervisor.spec.model import (
     FleetSpec,
     ModelSpec,
     ProbeSpec,
+    ProgressSpec,
     RolloutSpec,
     StartLimitSpec,
     SupervisorSpec,
@@ -96,6 +99,8 @@ _SETTING_CHECKS: dict[str, _Check] = {
     "request_timeout": _duration(positive=True),
     "migration_limit": _int_in(0, 100),
     "probe": _probe,
+    "launcher": _enum(LAUNCHERS),
+    "standby": _int_in(0, 64),
 }
 _SETTING_KEYS = (*_SETTING_CHECKS, *_NESTED)
 # A command engine (a server engined did not write) is one engine's own business: these keys
@@ -131,6 +136,8 @@ _BUILTIN_SETTINGS: dict[str, _Located] = {
         "request_timeout": 600.0,
         "migration_limit": 3,
         "probe": None,  # a command engine with a port gets ProbeSpec()
+        "launcher": None,  # the supervisor's
+        "standby": 0,
         "rollout.max_unavailable": 1,
         "rollout.max_surge": 0,
         "backoff.initial": 1.0,
@@ -151,6 +158,7 @@ _SUPERVISOR_CHECKS: dict[str, _Check] = {
     "log_dir": _optional_text,
     "heartbeat_interval": _duration(positive=True),
     "heartbeat_timeout": _duration(positive=True),
+    "launcher": _enum(LAUNCHERS),
 }
 _SUPERVISOR_DEFAULTS: dict[str, Any] = {
     "http": DEFAULT_HTTP,
@@ -161,6 +169,7 @@ _SUPERVISOR_DEFAULTS: dict[str, Any] = {
     "log_dir": None,
     "heartbeat_interval": 1.0,
     "heartbeat_timeout": 10.0,
+    "launcher": "forkserver",
 }
 
 
@@ -180,6 +189,9 @@ def _resolve(root: Any, lines: Mapping[str, int], source: str) -> FleetSpec:
     defaults = _defaults(problems, top.get("defaults"))
     engines = _engines(problems, top, defaults)
     problems.raise_if_any(source, lines)
+    if supervisor.launcher is not _BAD:
+        engines = tuple(e if e.is_command or e.launcher else
+                        dataclasses.replace(e, launcher=supervisor.launcher) for e in engines)
     return FleetSpec(source=source, supervisor=supervisor, engines=engines)
 
 
@@ -222,6 +234,7 @@ def _supervisor(problems: _Problems, raw: Any) -> SupervisorSpec:
         log_dir=values["log_dir"],
         heartbeat_interval_s=interval,
         heartbeat_timeout_s=timeout,
+        launcher=values["launcher"],
     )
 
 
@@ -317,6 +330,12 @@ def _group(
         if probe not in (None, _BAD) and probe_at and probe_at.startswith(path + "."):
             problems.add(probe_at, "probe applies to command engines only (engined's own "
                                    "engines heartbeat)")
+    standby, standby_at = settings["standby"]
+    dp = settings["data_parallel"][0]
+    if standby not in (0, _BAD) and dp is True:
+        problems.add(standby_at or f"{path}.standby",
+                     f"standby is not supported with data_parallel: true (a spare rank could "
+                     f"not join a running torch.distributed group){_for(standby_at or path, path)}")
     if replicas is not _BAD:
         _check_gpu_split(problems, settings, replicas, path)
         port = settings.get("port", (None, None))[0]
@@ -332,6 +351,14 @@ def _check_command(problems: _Problems, s: dict[str, _Located], section: Mapping
                    path: str) -> None:
     """A command engine: what only engined's engine child uses is an error when set on it (a
     value inherited from defaults is ignored), and what needs a port has one."""
+    if "launcher" in section:
+        problems.add(f"{path}.launcher", "launcher applies to engined's own engines (a command "
+                                         "engine's server is always started by exec)")
+    standby, standby_at = s["standby"]
+    if standby not in (0, _BAD):
+        problems.add(standby_at or f"{path}.standby",
+                     f"standby is not supported for a command engine yet (its server's port "
+                     f"and probes are its own){_for(standby_at or path, path)}")
     for key in _CHILD_ONLY:
         if key in section:
             problems.add(f"{path}.{key}", f"{key} and command are exclusive: a command engine "
@@ -429,7 +456,8 @@ def _check_backoff(problems: _Problems, s: dict[str, _Located], path: str) -> No
 
 def _check_gpu_split(problems: _Problems, s: dict[str, _Located], replicas: int, path: str) -> None:
     (gpus, gpus_at), (per, per_at) = s["gpus"], s["gpus_per_replica"]
-    if _any_bad(gpus, per):
+    standby = s["standby"][0]
+    if _any_bad(gpus, per, standby):
         return
     # these depend on this engine's replicas: name the engine when the value came from defaults
     per_at = per_at or f"{path}.gpus_per_replica"
@@ -443,11 +471,13 @@ def _check_gpu_split(problems: _Problems, s: dict[str, _Located], replicas: int,
         )
     elif not gpus and per > 0:
         problems.add(per_at, f"gpus_per_replica is {per} but no gpus are listed{suffix(per_at)}")
-    elif gpus and len(gpus) != replicas * per:
+    elif gpus and len(gpus) != (replicas + standby) * per:
+        count = f"(replicas ({replicas}) + standby ({standby}))" if standby else \
+            f"replicas ({replicas})"
         problems.add(
             gpus_at,
-            f"{len(gpus)} gpus listed, but replicas ({replicas}) x gpus_per_replica ({per}) "
-            f"= {replicas * per}{suffix(gpus_at)}",
+            f"{len(gpus)} gpus listed, but {count} x gpus_per_replica ({per}) "
+            f"= {(replicas + standby) * per}{suffix(gpus_at)}",
         )
 
 
@@ -463,6 +493,10 @@ def _check_names(problems: _Problems, groups: list[_Group]) -> None:
         first[g.name] = g.index
         names = [(g.name, f"engine {g.name!r}")]
         names += [(f"{g.name}-{r}", f"replica {g.name}-{r}") for r in range(g.replicas)]
+        standby = g.settings["standby"][0]
+        if standby is not _BAD:
+            names += [(standby_name(g.name, k), f"standby {standby_name(g.name, k)}")
+                      for k in range(standby)]
         for name, what in names:
             if name in taken and taken[name][0] != g.index:
                 other_index, other = taken[name]
@@ -528,38 +562,54 @@ def _expand(g: _Group) -> list[EngineSpec]:
         model, probe = s["model"], False
     # progress: vllm means the server is vLLM's: its API (and extensions) come with it
     openai = s.get("openai", "vllm" if progress == VLLM_PROGRESS else "")
-    return [
-        EngineSpec(
-            name=f"{g.name}-{rank}",
-            group=g.name,
-            rank=rank,
-            replicas=g.replicas,
-            model=model,
-            gpus=tuple(s["gpus"][rank * per : (rank + 1) * per]),
-            data_parallel=s["data_parallel"],
-            max_batch_size=s["max_batch_size"],
-            threads=s["threads"],
-            env=s["env"],
-            restart=s["restart"],
-            backoff=backoff,
-            start_limit=start_limit,
-            startup_timeout_s=s["startup_timeout"],
-            stall_timeout_s=s["stall_timeout"],
-            stop_timeout_s=s["stop_timeout"],
-            served_model_name=s["served_model_name"] or g.name,
-            queue_limit=s["queue_limit"],
-            request_timeout_s=s["request_timeout"],
-            migration_limit=s["migration_limit"],
-            rollout=RolloutSpec(s["rollout.max_unavailable"], s["rollout.max_surge"]),
-            command=command,
-            port=None if port is None else (port + rank if port else 0),
-            cwd=s.get("cwd"),
-            probe=probe or None,
-            progress=progress,
-            openai=openai,
-            python=None if command else s["python"],
-            backend="command" if command else s["backend"],
-            engine_args=() if command else s["engine_args"],
-        )
-        for rank in range(g.replicas)
-    ]
+    serving = [_replica(g, s, rank, per, model, backoff, start_limit, command, port, probe,
+                        progress, openai) for rank in range(g.replicas)]
+    # warm spares: built like a replica on GPUs of their own (after the replicas' in `gpus`)
+    spares = [dataclasses.replace(_replica(g, s, g.replicas + k, per, model, backoff,
+                                           start_limit, command, port, probe, progress, openai),
+                                  name=standby_name(g.name, k), standby=True, rank=k)
+              for k in range(s["standby"])]
+    return serving + spares
+
+
+def standby_name(group: str, k: int) -> str:
+    return f"{group}-standby-{k}"
+
+
+def _replica(g: _Group, s: dict[str, Any], rank: int, per: int, model: ModelSpec,
+         backoff: BackoffSpec, start_limit: StartLimitSpec, command: tuple[str, ...],
+         port: int | None, probe: Any, progress: ProgressSpec | None,
+         openai: str) -> EngineSpec:
+    return EngineSpec(
+        name=f"{g.name}-{rank}",
+        group=g.name,
+        rank=rank,
+        replicas=g.replicas,
+        model=model,
+        gpus=tuple(s["gpus"][rank * per : (rank + 1) * per]),
+        data_parallel=s["data_parallel"],
+        max_batch_size=s["max_batch_size"],
+        threads=s["threads"],
+        env=s["env"],
+        restart=s["restart"],
+        backoff=backoff,
+        start_limit=start_limit,
+        startup_timeout_s=s["startup_timeout"],
+        stall_timeout_s=s["stall_timeout"],
+        stop_timeout_s=s["stop_timeout"],
+        served_model_name=s["served_model_name"] or g.name,
+        queue_limit=s["queue_limit"],
+        request_timeout_s=s["request_timeout"],
+        migration_limit=s["migration_limit"],
+        rollout=RolloutSpec(s["rollout.max_unavailable"], s["rollout.max_surge"]),
+        command=command,
+        port=None if port is None else (port + rank if port else 0),
+        cwd=s.get("cwd"),
+        probe=probe or None,
+        progress=progress,
+        openai=openai,
+        python=None if command else s["python"],
+        backend="command" if command else s["backend"],
+        engine_args=() if command else s["engine_args"],
+        launcher="exec" if command else s["launcher"] or "",
+    )

@@ -118,7 +118,9 @@ def _wrapper(path: Path) -> Path:
 
 def test_an_engine_that_cannot_be_started_backs_off_then_fails_alone(engined, short_tmp):
     python = _wrapper(short_tmp / "python")
-    d = engined([{**ECHO, "name": "gone", "python": str(python),
+    # exec: a fork server that preloaded the interpreter would still fork it (that it keeps a
+    # fleet running is the point of it); this is the spawn-error path
+    d = engined([{**ECHO, "name": "gone", "python": str(python), "launcher": "exec",
                   "backoff": {"initial": "0.2s", "max": "1s", "jitter": 0},
                   "start_limit": {"burst": 3, "interval": "60s"}}, ECHO])
     steady = d.engine("echo-0")

@@ -51,7 +51,9 @@ def test_fleet_ready_status_and_generate(engined):
     for e in data["engines"]:
         assert ENGINE_FIELDS <= set(e), sorted(ENGINE_FIELDS - set(e))
         assert e["group"] == "echo" and e["state"] == "READY"
-        assert psutil.Process(e["pid"]).cmdline()[-2:] == ["-m", "engined.engine"]
+        proc = psutil.Process(e["pid"])  # forked from the preloaded fork server, a child of ours
+        assert e["launcher"] == "forkserver" and proc.ppid() == d.pid, e
+        assert proc.name() == e["name"] and "engined.engine.forkserver" in proc.cmdline()
         assert e["incarnation"] == 1 and e["restarts"] == 0 and e["last_exit"] is None
         assert e["since"] <= time.time() and e["startup_s"] > 0
         assert e["heartbeat_age_s"] is not None and e["heartbeat_age_s"] >= 0
@@ -260,9 +262,10 @@ def test_no_fd_leak_or_zombies_after_restart_cycles(engined):
                f"daemon fds back near {baseline} (now {daemon.num_fds()})")
     zombies = [c.pid for c in daemon.children() if c.status() == psutil.STATUS_ZOMBIE]
     assert zombies == []
-    engines = [c for c in daemon.children()
-               if "engined.supervisor.guard" not in " ".join(c.cmdline())]
-    assert len(engines) == 1 and len(daemon.children()) == 2  # the engine, and the guard
+    # a forked engine shows the fork server's cmdline, with its own name (PR_SET_NAME)
+    engines = [c for c in daemon.children() if not c.name().startswith("python")]
+    # the engine, the guard, and one fork server
+    assert len(engines) == 1 and len(daemon.children()) == 3, daemon.children()
 
 
 def test_startup_timeout_kills_and_a_stop_while_loading_is_prompt(engined):
@@ -297,8 +300,10 @@ def test_stop_during_backoff_cancels_the_pending_restart(engined):
            "env": {"ENGINED_ECHO_FAIL": "build"},
            "backoff": {"initial": "30s", "max": "60s", "jitter": 0}}
     d = engined([bad], ready=False)
-    backoff = d.wait_state("bad-0", "BACKOFF")
-    assert backoff["incarnation"] == 2  # the first restart was immediate, the second waits
+    # the first restart is immediate (BACKOFF only until the respawn, no restart_at), the
+    # second waits
+    backoff = d.wait_state("bad-0", "BACKOFF", where=lambda e: e["restart_at"] is not None)
+    assert backoff["incarnation"] == 2
     assert backoff["restart_at"] > time.time() + 20, backoff
     out = d.ctl("stop", "bad-0")
     assert out.returncode == 0, out

@@ -87,12 +87,16 @@ class FakeLauncher:
         self.behaviours: dict[str, Behaviour] = {}  # replica name -> behaviour of its children
         self.children: dict[str, list[FakeChild]] = {}
         self.spawn_errors: dict[str, list[OSError]] = {}  # raised by the next spawns, in order
+        self.spawn_delay_s = 0.0
         self._pids = iter(range(40_000, 1 << 22))
 
-    def spawn(self, config: proto.EngineConfig, env: Mapping[str, str]) -> Child:
+    async def spawn(self, config: proto.EngineConfig, env: Mapping[str, str],
+                    launcher: str = "") -> Child:
         errors = self.spawn_errors.get(config.name)
         if errors:
             raise errors.pop(0)
+        if self.spawn_delay_s:  # a fork server's round trip: the child runs before we know it
+            await asyncio.sleep(self.spawn_delay_s)
         child = FakeChild(self.loop, self.clock, next(self._pids), config,
                           self.behaviours.get(config.name, Behaviour()))
         self.children.setdefault(config.name, []).append(child)

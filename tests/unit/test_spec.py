@@ -410,7 +410,44 @@ RULES = [
     ("a: &a [*a]\n", "a[0]", 1, "recursive YAML alias"),
     ("", "", None, "empty"),
     ("# only a comment\n", "", None, "empty"),
+    # launcher and standby
+    ("version: 1\nsupervisor: {launcher: fork}\nengines: [{name: a, model: builtin:echo}]\n",
+     "supervisor.launcher", 2, "forkserver"),
+    ("version: 1\nengines: [{name: a, model: builtin:echo, launcher: spawn}]\n",
+     "engines[0].launcher", 2, "forkserver"),
+    ("version: 1\nengines: [{name: a, command: [/bin/true], launcher: exec}]\n",
+     "engines[0].launcher", 2, "always started by exec"),
+    ("version: 1\nengines: [{name: a, model: builtin:echo, standby: -1}]\n",
+     "engines[0].standby", 2, ""),
+    ("version: 1\nengines: [{name: a, model: builtin:echo, standby: 1, data_parallel: true, "
+     "replicas: 2}]\n", "engines[0].standby", 2, "data_parallel"),
+    ("version: 1\nengines: [{name: a, command: [/bin/true], standby: 1}]\n",
+     "engines[0].standby", 2, "command engine"),
+    ("version: 1\nengines: [{name: a, model: builtin:echo, standby: 1, gpus: [0], "
+     "gpus_per_replica: 1}]\n", "engines[0].gpus", 2, "(replicas (1) + standby (1)) x"),
+    ("version: 1\nengines: [{name: a, model: builtin:echo, standby: 1}, "
+     "{name: a-standby, model: builtin:echo}]\n", "engines[1].name", 2, "standby a-standby-0"),
 ]
+
+
+def test_launcher_resolves_supervisor_then_engine_and_standbys_expand() -> None:
+    fleet = parse_fleet(textwrap.dedent("""\
+        version: 1
+        supervisor: {launcher: exec}
+        engines:
+          - {name: a, model: builtin:echo, replicas: 2, standby: 2, gpus: [0, 1, 2, 3],
+             gpus_per_replica: 1}
+          - {name: b, model: builtin:echo, launcher: forkserver}
+          - {name: c, command: [/bin/true]}
+        """), "<test>")
+    engines = {e.name: e for e in fleet.engines}
+    assert list(engines) == ["a-0", "a-1", "a-standby-0", "a-standby-1", "b-0", "c-0"]
+    assert [engines[n].launcher for n in engines] == ["exec"] * 4 + ["forkserver", "exec"]
+    assert [(e.standby, e.rank, e.gpus) for e in fleet.engines if e.group == "a"] == [
+        (False, 0, (0,)), (False, 1, (1,)), (True, 0, (2,)), (True, 1, (3,))]
+    assert format_fleet(fleet).splitlines()[0].endswith(": 3 group(s), 4 replica(s) + 2 standby")
+    assert parse_fleet("version: 1\nengines: [{name: a, model: builtin:echo}]\n",
+                       "<t>").engines[0].launcher == "forkserver"  # the default
 
 
 @pytest.mark.parametrize("text, path, line, fragment", RULES, ids=[f"{i}-{r[1] or 'file'}" for i, r in enumerate(RULES)])

@@ -1,0 +1,102 @@
+"""The lifecycle tier for warm standbys (fake children, a jumping clock): promotion at the
+instant a serving replica dies, what health and readiness count, a promoted child's liveness
+and messages under its new name, and a standby's own failures."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from engined.engine import protocol as proto
+from engined.supervisor.state import EngineState as S
+from lifecycle.autojump import run
+from lifecycle.fakes import HEARTBEAT_TIMEOUT_S, World
+
+GROUP = {"name": "a", "standby": 1, "backoff": {"initial": "1s", "jitter": 0}}
+
+
+def scenario(tmp_path: Path, body) -> None:
+    async def main() -> None:
+        world = await World.build(tmp_path, [GROUP])
+        try:
+            await body(world)
+        finally:
+            await world.close()
+    run(main)
+
+
+def test_promotion_is_immediate_and_health_counts_serving_replicas_only(tmp_path):
+    async def body(w: World) -> None:
+        await w.start("a-0", "a-standby-0")
+        view = w.fleet.view()
+        assert view.counts() == (1, 1) and view.standbys() == (1, 1)
+        code, health = view.health()
+        assert code == 200 and health["standby"] == {"ready": 1, "expected": 1}, health
+        spare = w.child("a-standby-0")
+        died_at = w.clock.monotonic()
+        w.stop_pulse("a-0")
+        w.child("a-0").exit(None, signal.SIGKILL)
+        await w.settle()
+        a0 = w.replica("a-0").view()
+        assert (a0.state, a0.pid, a0.incarnation) == (S.READY, spare.pid, 2)
+        assert a0.restarts_of("signal") == 1 and a0.since >= died_at
+        assert w.states_of("a-0")[-2:] == ["STARTING", "READY"]
+        # the spare builds a new child at once; meanwhile the fleet serves in full
+        assert w.spawns("a-standby-0") == 2
+        assert w.replica("a-standby-0").view().state is S.STARTING
+        view = w.fleet.view()
+        assert view.health()[0] == 200 and view.standbys() == (0, 1)
+        assert view.readiness()[0] == 200
+
+        # the promoted child speaks as a-standby-0 incarnation 1: its heartbeats are a-0's
+        w.stop_pulse("a-standby-0")
+        beat = proto.Heartbeat("a-standby-0", 1, 7, w.clock.monotonic(), waiting=0, running=0)
+        assert w.send(beat) is None
+        assert w.replica("a-0").view().heartbeat == beat
+        # and its silence is a-0's hang (no heartbeat for heartbeat_timeout)
+        await w.settle(HEARTBEAT_TIMEOUT_S + 1)
+        assert signal.SIGKILL in spare.signals or signal.SIGTERM in spare.signals
+    scenario(tmp_path, body)
+
+
+def test_no_ready_standby_means_an_ordinary_restart(tmp_path):
+    async def body(w: World) -> None:
+        await w.start("a-0")  # the spare never reports READY
+        first_spare = w.child("a-standby-0")
+        w.stop_pulse("a-0")
+        w.child("a-0").exit(1)
+        await w.settle()  # the first failure restarts at once (then backoff)
+        assert w.replica("a-0").view().state is S.STARTING
+        assert w.spawns("a-0") == 2 and w.child("a-standby-0") is first_spare
+    scenario(tmp_path, body)
+
+
+def test_a_dying_standby_is_restarted_by_its_own_policy(tmp_path):
+    async def body(w: World) -> None:
+        await w.start("a-0", "a-standby-0")
+        w.stop_pulse("a-standby-0")
+        w.child("a-standby-0").exit(None, signal.SIGKILL)
+        await w.settle()
+        assert w.replica("a-standby-0").view().state is S.STARTING
+        assert w.spawns("a-standby-0") == 2
+        assert w.replica("a-0").view().incarnation == 1  # nobody was promoted
+    scenario(tmp_path, body)
+
+
+def test_what_a_child_says_before_its_spawn_returns_is_kept(tmp_path):
+    """A forked engine runs (and may be READY) before the fork server's answer arrives."""
+    async def main() -> None:
+        w = await World.build(tmp_path, [{"name": "b"}])
+        try:
+            w.launcher.spawn_delay_s = 0.5
+            w.fleet.start()
+            await w.settle(0.1)
+            assert w.spawns("b-0") == 0  # the spawn is still in flight
+            assert w.send(proto.Hello("b-0", 1, 123)) is None
+            assert w.send(proto.Ready("b-0", 1, 0.01, "cpu", "builtin:echo", "none")) is None
+            await w.settle(0.5)
+            view = w.replica("b-0").view()
+            assert (view.state, view.incarnation) == (S.READY, 1), view
+        finally:
+            await w.close()
+    run(main)
