@@ -17,6 +17,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -275,6 +276,13 @@ class Daemon:
 
 
 # --- process helpers --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now (the test's gateway, HTTP or server binds it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def process_gone(pid: int) -> bool:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import threading
 import time
 
 import openai
+from driver import free_port
 
 CLIENTS = int(os.environ.get("CHAOS_CLIENTS", "16"))
 PER_CLIENT = int(os.environ.get("CHAOS_PER_CLIENT", "13"))
@@ -22,14 +22,8 @@ ECHO = {"name": "echo", "replicas": 3, "model": "builtin:echo", "stop_timeout": 
         "migration_limit": 10, "env": {"ENGINED_ECHO_TOKEN_MS": "15"}}
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_no_request_is_lost_while_replicas_die(engined):
-    port = _port()
+    port = free_port()
     d = engined([ECHO], supervisor={"gateway": f"127.0.0.1:{port}"},
                 defaults={"backoff": {"initial": "0s", "max": "0s", "reset_after": "0s"},
                           "start_limit": {"burst": 1000, "interval": "1s"}})

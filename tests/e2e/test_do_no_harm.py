@@ -8,7 +8,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import stat
 import sys
 import time
@@ -16,16 +15,10 @@ import urllib.request
 from pathlib import Path
 
 import psutil
-from driver import ORPHAN_GRACE_S
+from driver import ORPHAN_GRACE_S, free_port
 
 HEARTBEAT_TIMEOUT_S = 1.5  # the fixture's
 ECHO = {"name": "echo", "replicas": 1, "model": "builtin:echo"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _metric(port: int, name: str) -> float:
@@ -48,7 +41,7 @@ def _gone(pid: int) -> bool:
 # --- the daemon's own freeze ------------------------------------------------------------------
 
 def test_a_frozen_daemon_blames_no_engine_and_still_catches_a_frozen_one(engined):
-    port = _free_port()
+    port = free_port()
     d = engined([{**ECHO, "replicas": 4}], supervisor={"http": f"127.0.0.1:{port}"})
     before = {n: (e["pid"], e["incarnation"]) for n, e in d.engines().items()}
     d.signal(signal.SIGSTOP)  # a VM pause, a swap storm, a debugger

@@ -6,23 +6,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
 
 import openai
 import pytest
+from driver import free_port
 
 ECHO = {"name": "echo", "replicas": 2, "model": "builtin:echo",
         "env": {"ENGINED_ECHO_TOKEN_MS": "20"}}
 TEXT = "the quick brown fox jumps over the lazy dog"
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _client(port: int, key: str = "none", retries: int = 0) -> openai.OpenAI:
@@ -33,7 +27,7 @@ def _client(port: int, key: str = "none", retries: int = 0) -> openai.OpenAI:
 @pytest.fixture
 def gateway(engined):
     def start(engines=None, supervisor=None, **kwargs):
-        port = _port()
+        port = free_port()
         d = engined(engines or [ECHO], supervisor={"gateway": f"127.0.0.1:{port}",
                                                    **(supervisor or {})}, **kwargs)
         d.port = port
@@ -184,7 +178,7 @@ def test_a_request_whose_replica_dies_before_its_first_token_is_resent(gateway):
 
 
 def test_gateway_metrics(gateway):
-    port = _port()
+    port = free_port()
     d, client = gateway(supervisor={"http": f"127.0.0.1:{port}"})
     client.completions.create(model="echo", prompt="counted")
     with pytest.raises(openai.BadRequestError):

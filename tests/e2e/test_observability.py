@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import urllib.error
 import urllib.parse
@@ -14,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from driver import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,12 +26,6 @@ def _need(tool: str) -> str:
             pytest.fail(f"{tool} is missing in CI: .ci/run must install Debian's prometheus")
         pytest.skip(f"{tool} not installed (apt-get install prometheus)")
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _get(port: int, path: str) -> tuple[int, bytes]:
@@ -59,7 +53,7 @@ def _value(samples, name, **labels):
 @pytest.fixture
 def http_fleet(engined):
     """Two echo replicas (one group) plus a slow-loading single engine, HTTP on a free port."""
-    port = _free_port()
+    port = free_port()
     daemon = engined(engines=[
         {"name": "echo", "replicas": 2, "model": "builtin:echo"},
         {"name": "slow", "model": "builtin:echo", "env": {"ENGINED_ECHO_LOAD_S": "2"}},
@@ -165,7 +159,7 @@ def test_health_and_readyz_follow_restarts_failures_and_stops(http_fleet):
 
 
 def test_readyz_stays_up_while_one_replica_of_a_group_restarts(engined):
-    port = _free_port()
+    port = free_port()
     daemon = engined(engines=[{"name": "g", "replicas": 2, "model": "builtin:echo",
                                "env": {"ENGINED_ECHO_LOAD_S": "2"}}],
                      supervisor={"http": f"127.0.0.1:{port}"})
@@ -179,7 +173,7 @@ def test_readyz_stays_up_while_one_replica_of_a_group_restarts(engined):
 
 
 def test_failed_engine_makes_health_503(engined):
-    port = _free_port()
+    port = free_port()
     daemon = engined(engines=[
         {"name": "ok", "model": "builtin:echo"},
         {"name": "bad", "model": "builtin:echo", "env": {"ENGINED_ECHO_FAIL": "config"}},
@@ -218,7 +212,7 @@ def test_metrics_stay_correct_across_restarts(http_fleet):
 
 def test_real_prometheus_sees_the_restart(http_fleet, tmp_path):
     prometheus = _need("prometheus")
-    port, prom_port = http_fleet.port, _free_port()
+    port, prom_port = http_fleet.port, free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
@@ -266,7 +260,7 @@ def test_nvml_per_process_memory_matches_the_engine(engined):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA and an NVIDIA driver")
-    port = _free_port()
+    port = free_port()
     daemon = engined(engines=[{"name": "gpu", "model": "builtin:tiny-llama", "gpus": [0],
                                "gpus_per_replica": 1}],
                      supervisor={"http": f"127.0.0.1:{port}"},

@@ -5,21 +5,15 @@ a daemon shutdown lets in-flight gateway requests finish first."""
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 
 import openai
 import yaml
+from driver import free_port
 
 ECHO3 = {"name": "echo", "replicas": 3, "model": "builtin:echo",
          "env": {"ENGINED_ECHO_TOKEN_MS": "10", "ENGINED_ECHO_LOAD_S": "0.5"}}
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Load:
@@ -71,7 +65,7 @@ def _watch_ready(d, until: threading.Event, samples: list[int]) -> threading.Thr
 
 
 def test_a_group_restart_rolls_one_replica_at_a_time_under_load(engined):
-    port = _port()
+    port = free_port()
     d = engined([ECHO3], supervisor={"gateway": f"127.0.0.1:{port}"})
     before = {n: e["pid"] for n, e in d.engines().items()}
     samples: list[int] = []
@@ -108,7 +102,7 @@ def test_all_at_once_restarts_the_group_together(engined):
 
 
 def test_a_surge_replica_keeps_a_one_replica_group_serving(engined):
-    port = _port()
+    port = free_port()
     one = {**ECHO3, "replicas": 1, "rollout": {"max_surge": 1}}
     d = engined([one], supervisor={"gateway": f"127.0.0.1:{port}"})
     samples: list[int] = []
@@ -126,7 +120,7 @@ def test_a_surge_replica_keeps_a_one_replica_group_serving(engined):
 
 
 def test_a_reload_that_changes_a_group_rolls_it(engined):
-    port = _port()
+    port = free_port()
     d = engined([ECHO3], supervisor={"gateway": f"127.0.0.1:{port}"})
     spec = yaml.safe_load(d.spec_path.read_text())
     spec["engines"][0]["max_batch_size"] = 4
@@ -145,7 +139,7 @@ def test_a_reload_that_changes_a_group_rolls_it(engined):
 
 
 def test_shutdown_lets_in_flight_gateway_requests_finish(engined):
-    port = _port()
+    port = free_port()
     slow = {"name": "echo", "replicas": 1, "model": "builtin:echo",
             "env": {"ENGINED_ECHO_TOKEN_MS": "100"}, "stop_timeout": "20s"}
     d = engined([slow], supervisor={"gateway": f"127.0.0.1:{port}"})

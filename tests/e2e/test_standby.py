@@ -5,20 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 
 import openai
-from driver import process_gone
+from driver import free_port, process_gone
 
 GROUP = {"name": "echo", "replicas": 2, "standby": 1, "model": "builtin:echo",
          "backoff": {"initial": "0s"}}
 TEXT = "the quick brown fox jumps over the lazy dog"
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_standby_takes_over_a_sigkilled_replica_under_its_name(engined):
@@ -74,7 +67,7 @@ def test_without_a_ready_standby_a_replica_restarts_as_usual_and_a_dead_spare_is
 
 
 def test_with_the_gateway_a_stream_on_a_killed_replica_loses_nothing(engined):
-    port = _port()
+    port = free_port()
     slow = dict(GROUP, env={"ENGINED_ECHO_TOKEN_MS": "40"})
     d = engined([slow], supervisor={"gateway": f"127.0.0.1:{port}"})
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",

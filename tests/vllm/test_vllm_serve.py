@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -23,18 +22,12 @@ from typing import Any
 import openai
 import psutil
 import pytest
-from driver import Daemon, build_spec, process_gone
+from driver import Daemon, build_spec, free_port, process_gone
 
 pytestmark = pytest.mark.vllm
 
 READY_TIMEOUT_S = 240.0  # import, config, weights, KV cache, warm-up on a small CPU box
 STALL_TIMEOUT_S = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve_engine(python: str, model: Path) -> dict[str, Any]:
@@ -56,7 +49,7 @@ def serve_engine(python: str, model: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def served(vllm_python: str, tiny_checkpoint: Path) -> Iterator[Daemon]:
     root = Path(tempfile.mkdtemp(prefix="egs", dir="/tmp"))
-    port = _free_port()
+    port = free_port()
     daemon = Daemon(root, build_spec(root, [serve_engine(vllm_python, tiny_checkpoint)],
                                      {"gateway": f"127.0.0.1:{port}"}, None))
     daemon.gateway_port = port  # type: ignore[attr-defined]
