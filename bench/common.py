@@ -204,29 +204,23 @@ IMMEDIATE_RESTARTS = {
 HEARTBEATS = {"heartbeat_interval": "1s", "heartbeat_timeout": "10s"}
 
 
-class StatusConnection:
-    """GET /v1/status on one keep-alive connection to the control socket, each round trip timed
-    (`times`); reconnects once if the connection went away."""
+class KeepAlive:
+    """One keep-alive HTTP connection to the control socket; reconnects once if it went away."""
 
     def __init__(self, socket_path: str, timeout_s: float = 5.0) -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self.conn: UnixHTTPConnection | None = None
-        self.times: list[float] = []
 
-    def get(self) -> dict:
+    def round_trip(self, method: str, path: str, body: bytes | None = None,
+                   headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         for attempt in range(2):
             if self.conn is None:
                 self.conn = UnixHTTPConnection(self.socket_path, self.timeout_s)
             try:
-                started = time.perf_counter()
-                self.conn.request("GET", "/v1/status")
+                self.conn.request(method, path, body, headers or {})
                 response = self.conn.getresponse()
-                body = response.read()
-                self.times.append(time.perf_counter() - started)
-                if response.status != 200:
-                    raise BenchError(f"GET /v1/status: HTTP {response.status}: {body[:200]!r}")
-                return json.loads(body)
+                return response.status, response.read()
             except (OSError, http.client.HTTPException):
                 self.close()
                 if attempt:
@@ -237,6 +231,22 @@ class StatusConnection:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+
+
+class StatusConnection(KeepAlive):
+    """GET /v1/status on one keep-alive connection, each round trip timed (`times`)."""
+
+    def __init__(self, socket_path: str, timeout_s: float = 5.0) -> None:
+        super().__init__(socket_path, timeout_s)
+        self.times: list[float] = []
+
+    def get(self) -> dict:
+        started = time.perf_counter()
+        status, body = self.round_trip("GET", "/v1/status")
+        self.times.append(time.perf_counter() - started)
+        if status != 200:
+            raise BenchError(f"GET /v1/status: HTTP {status}: {body[:200]!r}")
+        return json.loads(body)
 
 
 class BenchDaemon(Daemon):

@@ -606,9 +606,11 @@ def report(r: Report, res: dict, proc_events: bool, n: int, idle_s: float, load_
           srow("… of which interpreter + `import torch, transformers`",
                [c["import_s"] for c in co]), "",
           f"engined's crash → READY is {crash - cold:+.3f} s ({100 * (crash / cold - 1):+.1f} %) "
-          "against a fresh interpreter that only loads and generates (bench/llm.py's functions; "
+          "against a fresh interpreter that only loads and generates (bench/llm.py's functions "
+          "and daemon, whose replica runs with `launcher: exec`: every restart a cold start; "
           "CPU, 1 thread). The peers would take their respawn latency plus the same cold start, "
-          "and could not tell when the replica is ready.", "")
+          "and could not tell when the replica is ready. engined's default launcher, the fork "
+          "server, is measured against exec by `python -m bench.recovery`.", "")
     else:
         r("## 5. Crash → READY for a tiny-llama replica", "", "skipped (--llm-n 0)", "")
 

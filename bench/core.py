@@ -75,7 +75,10 @@ class Engined(BenchDaemon):
 
     def __init__(self, replicas: int, tracker: Tracker, http: str = "off") -> None:
         super().__init__("eb", tracker,
-                         [{"name": "echo", "replicas": replicas, "model": "builtin:echo"}], http)
+                         # exec, like the floor: each restart is a fresh interpreter (the fork
+                         # server's restarts are bench.recovery's subject)
+                         [{"name": "echo", "replicas": replicas, "model": "builtin:echo",
+                           "launcher": "exec"}], http)
 
 
 # --- floor --------------------------------------------------------------------------------------
@@ -637,7 +640,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{verdict(key, values[key])} |")
     r("", "## Method", "",
       "- engined runs as `python -m engined.supervisor.daemon -c SPEC` (log level INFO, stderr "
-      "to a file) with `http: off`, a runtime dir `/tmp/ebXXXXXXXX/rt`, `builtin:echo` engines, "
+      "to a file) with `http: off`, a runtime dir `/tmp/ebXXXXXXXX/rt`, `builtin:echo` engines "
+      "started by exec (`launcher: exec`, like the floor's; bench.recovery measures the fork "
+      "server), "
       "1 s heartbeats, and `backoff: {initial: 0s, max: 0s, reset_after: 0s}`, "
       "`start_limit.burst: 1000000`, so every restart is immediate (no backoff, never FAILED).",
       "- The floor is `bench/floor.py` (~40 lines: asyncio, pidfd, posix_spawn; respawns at "

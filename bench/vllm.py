@@ -11,11 +11,13 @@
    `add_request` + `step()`). Paths alternate round by round. Requests/s, tokens/s, latency
    p50/p95, overhead, and the fixed cost per request and per token fitted from the two
    max_tokens values.
-2. Crash → READY: SIGKILL of the engine child → READY again (the daemon's own `since`) against a
-   cold start of `vllm serve` (`python -m vllm.entrypoints.openai.api_server`, same model and
-   engine arguments) from process start to `/health` 200, as an outer supervisor would restart
-   it; also how long that server takes to exit after its EngineCore is SIGKILLed (what an outer
-   supervisor waits for before it can restart anything).
+2. Crash → READY: SIGKILL of the engine child, started by exec (`launcher: exec`, pinned: a cold
+   interpreter per restart; engined's default, the fork server, is measured against exec by
+   bench/recovery.py) → READY again (the daemon's own `since`) against a cold start of `vllm
+   serve` (`python -m vllm.entrypoints.openai.api_server`, same model and engine arguments) from
+   process start to `/health` 200, as an outer supervisor would restart it; also how long that
+   server takes to exit after its EngineCore is SIGKILLed (what an outer supervisor waits for
+   before it can restart anything).
 3. A frozen engine core: SIGSTOP of the engine child with a streamed request in flight → the
    daemon declares it hung (`last_exit`), kills and restarts it, and the request (through the
    gateway) finishes on the replacement; against `vllm serve` with its EngineCore SIGSTOPped
@@ -125,11 +127,13 @@ def vllm_versions(python: str) -> str:
 
 def engine_spec(python: str, cache: Path) -> dict[str, Any]:
     """etc/examples/vllm-cpu.yaml's engine (backend, engine_args, env), one replica, 1 thread,
-    max_batch_size 8 (vLLM's max_num_seqs), as the vLLM test tier runs it."""
+    max_batch_size 8 (vLLM's max_num_seqs), as the vLLM test tier runs it; started by exec
+    (`launcher: exec`): each restart is a cold interpreter, which scenario 2 compares with a cold
+    `vllm serve` (bench/recovery.py sets its own launcher)."""
     (example,) = yaml.safe_load(EXAMPLE.read_text())["engines"]
     env = {**example.get("env", {}), **VLLM_ENV, "ENGINED_CACHE_DIR": str(cache)}
     return {**example, "name": GROUP, "replicas": 1, "python": python, "threads": 1,
-            "max_batch_size": 8, "env": env}
+            "max_batch_size": 8, "launcher": "exec", "env": env}
 
 
 def direct_config(spec: dict[str, Any]) -> dict[str, Any]:
@@ -1151,8 +1155,10 @@ def report_crash(r: Report, crashes: list[dict], serves: list[dict]) -> dict[str
          if outer is not None else "it did not exit within 60 s.")
       + f" `vllm serve` is an API server process plus its children ({tree}), and the API "
       f"server, the EngineCore and the worker each import vLLM in turn; engined's restart is "
-      f"one fresh interpreter (the exec launcher) that imports vLLM and builds LLMEngine "
-      f"in-process. Scenario 2 kills the engine idle; the cold starts and the kills alternate.",
+      f"one fresh interpreter (`launcher: exec`, pinned in this benchmark) that imports vLLM "
+      f"and builds LLMEngine in-process. engined's default launcher, the fork server, skips "
+      f"those imports (`python -m bench.recovery` measures it against exec). Scenario 2 kills "
+      f"the engine idle; the cold starts and the kills alternate.",
       "")
     return {"crash": crash, "cold": cold, "outer": outer if outer is not None else float("nan")}
 
@@ -1485,7 +1491,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = engine_spec(python, cache)
         args_text = ", ".join(f"{k}: {v}" for k, v in spec["engine_args"].items())
         r(f"- model: builtin:tiny-llama ({checkpoint.name}, random weights), `backend: vllm`, "
-          f"engine_args {{{args_text}}}, threads 1, max_batch_size 8 (max_num_seqs), "
+          f"`launcher: exec`, engine_args {{{args_text}}}, threads 1, max_batch_size 8 "
+          f"(max_num_seqs), "
           f"VLLM_CPU_KVCACHE_SPACE={VLLM_ENV['VLLM_CPU_KVCACHE_SPACE']}; daemon heartbeats "
           f"every {HEARTBEATS['heartbeat_interval']}, heartbeat_timeout "
           f"{HEARTBEATS['heartbeat_timeout']}, restarts immediate (backoff 0)", "")

@@ -195,6 +195,7 @@ class Replica:
     def standby(self) -> bool:
         """A warm spare: built and heartbeating, not routed; promoted when a replica dies."""
         return self.spec.standby
+
     @property
     def name(self) -> str:
         return self.spec.name

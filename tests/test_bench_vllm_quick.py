@@ -12,12 +12,12 @@ CI=true, where it fails.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from benchreport import section, sections, tables
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.bench, pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -68,33 +68,6 @@ def vllm_python() -> str:
         _unavailable(f"{path} lacks vllm, torch, pyzmq or msgspec: {probe.stdout.strip()} "
                      f"{probe.stderr.strip()[-500:]}")
     return path
-
-
-def sections(text: str) -> dict[str, str]:
-    """Markdown split at `## ` headings: heading (without the `## `) -> body."""
-    parts = re.split(r"^## (.*)$", text, flags=re.M)
-    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
-
-
-def section(secs: dict[str, str], prefix: str) -> str:
-    found = [body for heading, body in secs.items() if heading.startswith(prefix)]
-    assert len(found) == 1, f"expected one section {prefix!r}, headings: {list(secs)}"
-    return found[0]
-
-
-def tables(body: str) -> list[list[list[str]]]:
-    """Each markdown table of a section: its rows (header and separator excluded) as cells."""
-    out: list[list[list[str]]] = []
-    current: list[list[str]] | None = None
-    for line in body.splitlines():
-        if line.startswith("| "):
-            if current is None:
-                current = []
-                out.append(current)
-            current.append([cell.strip() for cell in line.strip().strip("|").split("|")])
-        else:
-            current = None
-    return [rows[2:] for rows in out]
 
 
 def has_row(rows: list[list[str]], prefix: str) -> bool:

@@ -365,3 +365,31 @@ def test_cuda_visible_devices_pins_the_replica(cuda_available, engined, tiny_cac
     assert e["device"] == "cuda:0", e  # its only visible GPU, physical GPU 0
     assert re.search(r"^\[ready\] gpu-0 incarnation 1 .* on cuda:0$", d.log_text("gpu-0"), re.M)
     assert _generate_text(d, "--engine", "gpu-0", "hello")
+
+
+@pytest.mark.gpu
+def test_fork_server_children_get_cuda_and_the_server_none(cuda_available, engined,
+                                                          tiny_cache: Path):
+    """Children forked on two GPUs run CUDA on their own GPU; the fork server never opened a
+    GPU device (no CUDA context, no NVML handle)."""
+    gpus = int(subprocess.run([PYTHON, "-c", "import torch; print(torch.cuda.device_count())"],
+                              capture_output=True, text=True, timeout=120).stdout.strip() or 0)
+    if gpus < 2:
+        pytest.skip(f"needs 2 GPUs ({gpus} visible)")
+    d = engined([_tiny("gpu", tiny_cache, replicas=2, gpus=[0, 1], gpus_per_replica=1)],
+                supervisor=SUPERVISOR, defaults=DEFAULTS, ready=False)
+    for name in ("gpu-0", "gpu-1"):
+        e = d.wait_state(name, "READY", READY_TIMEOUT_S)
+        assert e["launcher"] == "forkserver" and e["device"] == "cuda:0", e
+        _generate_text(d, "--engine", name, "hello")
+    servers = d.status()["supervisor"]["fork_servers"]
+    assert servers and all(s["state"] == "ready" for s in servers), servers
+    for server in servers:
+        held = [os.readlink(f"/proc/{server['pid']}/fd/{fd}")
+                for fd in os.listdir(f"/proc/{server['pid']}/fd")]
+        assert not [h for h in held if h.startswith("/dev/nvidia")], held
+    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                          capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    assert not {str(s["pid"]) for s in servers} & set(apps), apps  # no CUDA context there
+    engines = d.engines()
+    assert {str(engines[n]["pid"]) for n in ("gpu-0", "gpu-1")} <= set(apps), apps
