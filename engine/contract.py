@@ -68,3 +68,39 @@ def resolve_socket_path(option: str | None, env: Mapping[str, str] | None = None
     """--socket, else $ENGINED_SOCKET, else the daemon's default."""
     env = os.environ if env is None else env
     return option or env.get("ENGINED_SOCKET") or default_socket_path(env)
+
+
+# --- process titles ---------------------------------------------------------------------------
+_PR_SET_NAME = 15
+
+
+FORK_SERVER_TITLE = "engined: fork server"
+
+
+def prepare_process_title(title: str, short: str) -> None:
+    """A fork server's own title. setproctitle finds the argv area by walking back from
+    `environ`; set up here, before any fork, it stays usable in a forked engine that replaced its
+    environment."""
+    set_process_title(title, short)
+
+
+def set_process_title(title: str, short: str) -> str:
+    """`title` in `ps -o args` and top where setproctitle is installed (a C extension: optional
+    here, the engine side needs only pyzmq and msgspec); `short` (15 bytes) as the process name
+    (`ps -o comm`, top's default) in any case. Returns how it was set."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(short.encode()[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    # SPT_NOENV: the title stays within the argv area, and /proc/PID/environ (where engined's
+    # owner mark lives) is left alone
+    os.environ.setdefault("SPT_NOENV", "1")
+    try:
+        import setproctitle  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return "name"
+    setproctitle.setproctitle(title)
+    setproctitle.setthreadtitle(short[:15])
+    return "title"

@@ -125,6 +125,8 @@ class EngineCoreProc:
         core: EngineCoreProc | None = None
         try:
             cfg = _coerce_config(config)
+            contract.set_process_title(f"engined: {cfg.name} (incarnation {cfg.incarnation})",
+                                       cfg.name)
             core = _core_class(cfg)(cfg, stop)
             core.run()
         except (EngineConfigError, msgspec.ValidationError) as exc:

@@ -117,6 +117,9 @@ class Server:
 
     def start(self) -> None:
         started = time.monotonic()
+        kind = next((k for k, mods in PRELOADS.items() if list(mods) == self.preload), "engine")
+        # before any fork: a forked engine's own title then works (see prepare_process_title)
+        contract.prepare_process_title(f"{contract.FORK_SERVER_TITLE} ({kind})", "engined-fork")
         try:
             for name in ["engined.engine.core", *self.preload]:
                 module = importlib.import_module(name)

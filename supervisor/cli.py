@@ -15,13 +15,16 @@ import contextlib
 import http.client
 import json
 import os
+import queue
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import quote
 
 from engined.engine.contract import resolve_socket_path
+from engined.supervisor import __version__
 from engined.supervisor.client import open_request
 
 EXIT_OK = 0
@@ -168,11 +171,41 @@ def _dash(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+STATE_REASON_CHARS = 60  # a FAILED reason in the table; `status NAME` prints all of it
+
+
+def state_cell(engine: Mapping[str, Any], now: float) -> str:
+    """The state and what explains it: FAILED (why), STARTING (phase, for how long), BACKOFF
+    (retry in N s), STOPPED (by whom); a standby says so."""
+    state = str(engine.get("state"))
+    since = engine.get("since")
+    why = ""
+    if state == "FAILED":
+        reason = str(engine.get("fail_reason") or "")
+        why = reason if len(reason) <= STATE_REASON_CHARS else \
+            reason[:STATE_REASON_CHARS - 1].rstrip() + "…"
+    elif state == "STARTING":
+        phase = engine.get("phase") or "spawned"
+        why = phase if since is None else f"{phase}, {humanize_duration(now - since)}"
+    elif state == "BACKOFF":
+        at = engine.get("restart_at")
+        why = "restarting now" if at is None else \
+            f"retry in {humanize_duration(max(0.0, at - now) + 0.999)}"
+    elif state == "STOPPED":
+        if engine.get("desired") == "stopped":
+            why = "by an operator"
+        elif engine.get("last_exit"):
+            why = "exited; its restart policy keeps it down"
+    if engine.get("role") == "standby":
+        why = f"standby, {why}" if why else "standby"
+    return f"{state} ({why})" if why else state
+
+
 def status_row(engine: Mapping[str, Any], now: float) -> list[str]:
     since = engine.get("since")
     return [
         str(engine.get("name")),
-        str(engine.get("state")) + (" (standby)" if engine.get("role") == "standby" else ""),
+        state_cell(engine, now),
         _dash(engine.get("pid")),
         _dash(engine.get("restarts")),
         "-" if since is None else humanize_duration(now - since),
@@ -181,7 +214,9 @@ def status_row(engine: Mapping[str, Any], now: float) -> list[str]:
     ]
 
 
-STATUS_HEADER = ["NAME", "STATE", "PID", "RESTARTS", "UPTIME", "HEARTBEAT", "LAST-EXIT"]
+# IN-STATE: time since the last state change (not the process's uptime: a BACKOFF or FAILED
+# engine has none)
+STATUS_HEADER = ["NAME", "STATE", "PID", "RESTARTS", "IN-STATE", "HEARTBEAT", "LAST-EXIT"]
 
 
 def render_table(rows: list[list[str]]) -> str:
@@ -218,6 +253,8 @@ def _not_ready(engines: list[dict[str, Any]], named: bool) -> bool:
 
 
 def cmd_status(client: Client, args: argparse.Namespace) -> int:
+    if args.watch:
+        return _watch_status(client, args)
     data = client.call("GET", "/v1/status")
     engines = data.get("engines", [])
     if args.names:
@@ -233,16 +270,105 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     return EXIT_NOT_READY if _not_ready(engines, bool(args.names)) else EXIT_OK
 
 
+def _status_table(data: Mapping[str, Any], names: list[str], now: float) -> str:
+    engines = data.get("engines", [])
+    if names:
+        engines = select_engines(engines, names)
+    return render_table([STATUS_HEADER] + [status_row(e, now) for e in engines])
+
+
+def _watch_status(client: Client, args: argparse.Namespace) -> int:
+    """Redraw the table when an engine changes state (the daemon's event stream: no polling);
+    in between, only the ages move, computed here once a second. Ctrl-C ends it."""
+    events: queue.Queue[bytes | None] = queue.Queue()
+    resp = client.open("GET", "/v1/events?lines=0&follow=1", timeout_s=None)
+
+    def pump() -> None:
+        try:
+            while line := resp.readline():
+                events.put(line)
+        except (OSError, http.client.HTTPException):
+            pass
+        events.put(None)  # the daemon went away
+
+    threading.Thread(target=pump, daemon=True, name="events").start()
+    tty = sys.stdout.isatty()
+    data = client.call("GET", "/v1/status")
+    changed = True
+    try:
+        while True:
+            now = wall_now()
+            if changed or tty:
+                table = _status_table(data, args.names, now)
+                if tty:  # home, clear, the table, a footer
+                    sys.stdout.write(f"\x1b[H\x1b[2J{table}\n\nwatching engined "
+                                     f"{client.socket_path} (Ctrl-C to quit)\n")
+                else:
+                    sys.stdout.write(f"{table}\n\n")
+                sys.stdout.flush()
+            changed = False
+            try:
+                line = events.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise CtlError(f"lost connection to engined at {client.socket_path}",
+                               EXIT_UNREACHABLE)
+            while True:  # a burst of transitions: one redraw
+                try:
+                    if events.get_nowait() is None:
+                        raise CtlError(f"lost connection to engined at {client.socket_path}",
+                                       EXIT_UNREACHABLE)
+                except queue.Empty:
+                    break
+            data, changed = client.call("GET", "/v1/status"), True
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        resp.close()
+
+
+def cmd_events(client: Client, args: argparse.Namespace) -> int:
+    """State transitions as JSON lines, the recent ones first; -f: then as they happen."""
+    query = f"lines={args.lines}" + ("&follow=1" if args.follow else "")
+    resp = client.open("GET", f"/v1/events?{query}",
+                       timeout_s=None if args.follow else STATUS_TIMEOUT_S)
+    out = sys.stdout.buffer
+    try:
+        while True:
+            with client.transport_errors():
+                line = resp.readline()
+            if not line:
+                return EXIT_OK
+            out.write(line)
+            out.flush()
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        resp.close()
+
+
 def _print_log_tail(engine: Mapping[str, Any]) -> None:
-    tail = (engine.get("last_exit") or {}).get("log_tail") or []
+    if engine.get("fail_reason"):
+        print(f"\nfailed: {engine['fail_reason']}")
+    last = engine.get("last_exit") or {}
+    if last.get("description"):
+        print(f"last exit: {last['description']} (reason {last.get('reason')})")
+    tail = last.get("log_tail") or []
     if tail:
         print(f"\nlast exit of {engine['name']}, log tail:")
         for line in tail:
             print(f"    {line}")
 
 
-def format_action_result(result: Mapping[str, Any]) -> str:
-    """`tiny-0: READY (pid 1234)` or `tiny-0: FAILED: <error>`."""
+def format_action_result(result: Mapping[str, Any], requested: str | None = None) -> str:
+    """`tiny-0: READY (pid 1234)` or `tiny-0: FAILED: <error>`; without waiting (`requested`:
+    the action), what was asked and the state it was in: `tiny-0: restart requested (was READY,
+    pid 1234)`."""
+    if requested is not None and result.get("ok"):
+        pid = result.get("pid")
+        was = f"was {result.get('state')}" + ("" if pid is None else f", pid {pid}")
+        return f"{result.get('name')}: {requested} requested ({was})"
     head = f"{result.get('name')}: {result.get('state')}"
     if not result.get("ok"):
         return f"{head}: {result.get('error') or 'did not reach the target state'}"
@@ -268,7 +394,7 @@ def cmd_action(client: Client, args: argparse.Namespace) -> int:
             failed = True
             continue
         for result in data.get("engines", []):
-            print(format_action_result(result))
+            print(format_action_result(result, args.command if args.no_wait else None))
             failed = failed or not result.get("ok")
     return EXIT_FAILED if failed else EXIT_OK
 
@@ -384,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS,
                         help="control socket (default: $ENGINED_SOCKET, else the daemon's)")
     parser = argparse.ArgumentParser(prog="enginectl", description="Control engined.")
+    parser.add_argument("--version", action="version", version=f"enginectl {__version__}")
     parser.add_argument("--socket", metavar="PATH", default=None,
                         help="control socket (default: $ENGINED_SOCKET, else the daemon's)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -391,7 +518,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", parents=[common], help="show engines")
     p.add_argument("names", nargs="*", metavar="NAME")
     p.add_argument("--json", action="store_true", help="print the API's JSON")
+    p.add_argument("-w", "--watch", action="store_true",
+                   help="redraw whenever an engine changes state, until Ctrl-C")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("events", parents=[common], help="state transitions as JSON lines")
+    p.add_argument("-n", "--lines", type=_positive_int, default=100, metavar="N",
+                   help="recent events first (default %(default)s)")
+    p.add_argument("-f", "--follow", action="store_true", help="then stream them until Ctrl-C")
+    p.set_defaults(func=cmd_events)
 
     for action in ("restart", "stop", "start"):
         p = sub.add_parser(action, parents=[common], help=f"{action} engines")

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from engined.engine import protocol as proto
 from engined.supervisor import __version__
+from engined.supervisor.events import EventLog
 from engined.supervisor.fleet import Fleet, NoEngineReady, UnknownEngine
 from engined.supervisor.ipc import EngineChannels, RequestFailed
 from engined.supervisor.reload import ReloadRejected
@@ -50,6 +51,7 @@ class ControlContext:
         self.started = time.time()
         self.generation = 1
         self.fork_servers: Callable[[], list[dict[str, Any]]] = list  # the launcher's
+        self.events = EventLog()  # state transitions (the daemon publishes them)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -88,6 +90,7 @@ def make_app(ctx: ControlContext) -> web.Application:
     app.router.add_get("/v1/engines/{name}/logs", routes.logs)
     app.router.add_post("/v1/generate", routes.generate)
     app.router.add_post("/v1/reload", routes.reload)
+    app.router.add_get("/v1/events", routes.events)
     return app
 
 
@@ -235,22 +238,51 @@ class _Routes:
                                          for r in affected))
         return web.json_response({"engines": results})
 
-    async def logs(self, request: web.Request) -> web.StreamResponse:
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        """State transitions as JSON lines: the last `lines` (default 100), then, with
+        `follow=1`, each new one as it happens until the client goes away."""
         try:
-            (replica,) = self.ctx.fleet.resolve(request.match_info["name"])
+            lines = int(request.query.get("lines", "100"))
+        except ValueError:
+            return _error(400, "'lines' must be an integer")
+        events = self.ctx.events
+        recent = list(events.recent)[-max(0, lines):] if lines > 0 else []
+        head = "".join(json.dumps(e) + "\n" for e in recent)
+        if request.query.get("follow") not in ("1", "true"):
+            return web.Response(text=head, content_type="application/x-ndjson")
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        queue = events.follow()
+        try:
+            await response.write(head.encode())
+            while True:
+                await response.write((json.dumps(await queue.get()) + "\n").encode())
+        except ConnectionResetError:
+            pass  # the follower went away
+        finally:
+            events.unfollow(queue)
+        return response
+
+    async def logs(self, request: web.Request) -> web.StreamResponse:
+        """One replica's log; for a group (or `all`), every replica's, each line prefixed with
+        its replica's name (the last N lines of each in turn, then new lines as they come)."""
+        try:
+            replicas = self.ctx.fleet.resolve(request.match_info["name"])
         except UnknownEngine as exc:
             return _error(404, str(exc))
-        except ValueError:
-            return _error(400, "logs take one replica name, not a group")
         try:
             lines = int(request.query.get("lines", "50"))
         except ValueError:
             return _error(400, "'lines' must be an integer")
         lines = max(0, min(lines, 100_000))
-        head = "".join(f"{line}\n" for line in replica.log.last_lines(lines))
+        width = max(len(r.name) for r in replicas)
+        prefixes = {r.name: "" if len(replicas) == 1 else f"{r.name:<{width}} | "
+                    for r in replicas}
+        head = "".join(f"{prefixes[r.name]}{line}\n" for r in replicas
+                       for line in r.log.last_lines(lines))
         if request.query.get("follow") not in ("1", "true"):
             return web.Response(text=head, content_type="text/plain")
-        return await _follow(request, replica, head)
+        return await _follow(request, replicas, prefixes, head)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
@@ -356,18 +388,29 @@ async def _settle(replica: Replica, action: str, before: EngineView, wait: bool,
             "error": error}
 
 
-async def _follow(request: web.Request, replica: Replica, head: str) -> web.StreamResponse:
+async def _follow(request: web.Request, replicas: list[Replica], prefixes: dict[str, str],
+                  head: str) -> web.StreamResponse:
+    """New lines of every replica named, interleaved as they come, until the follower leaves
+    or every log closed."""
     response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
     await response.prepare(request)
-    queue = replica.log.follow()
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+    for replica in replicas:
+        replica.log.follow(queue, prefixes[replica.name])
+    open_logs = len(replicas)
     try:
         await response.write(head.encode())
-        while (line := await queue.get()) is not None:
+        while open_logs:
+            line = await queue.get()
+            if line is None:  # that log closed (its replica was removed)
+                open_logs -= 1
+                continue
             await response.write(f"{line}\n".encode())
     except ConnectionResetError:
         pass  # the follower went away
     finally:
-        replica.log.unfollow(queue)
+        for replica in replicas:
+            replica.log.unfollow(queue)
     return response
 
 

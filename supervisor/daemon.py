@@ -20,10 +20,11 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from engined.engine.contract import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
+from engined.engine.contract import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, set_process_title
 from engined.supervisor import __version__
 from engined.supervisor.clock import SystemClock
 from engined.supervisor.control import ControlContext, make_app
+from engined.supervisor.events import transition
 from engined.supervisor.fleet import Fleet
 from engined.supervisor.forkserver import ForkServerLauncher
 from engined.supervisor.gateway.app import ApiKey, Gateway
@@ -33,6 +34,7 @@ from engined.supervisor.http import MetricsEndpoint
 from engined.supervisor.ipc import EngineChannels
 from engined.supervisor.launcher import ChildWatcher, ExecLauncher, expose_engine_package
 from engined.supervisor.loop import LoopMonitor
+from engined.supervisor.oom import OomWitness
 from engined.supervisor.probe import ProbeClient
 from engined.supervisor.reaper import Guard, Reaper, become_subreaper
 from engined.supervisor.reload import LIVE_SUPERVISOR_KEYS, ReloadRejected, plan_reload
@@ -46,7 +48,14 @@ from engined.supervisor.runtime import (
     resolve_runtime_dir,
 )
 from engined.supervisor.sampler import Sampler
-from engined.supervisor.spec import EngineSpec, FleetSpec, SpecError, format_fleet, load_fleet
+from engined.supervisor.spec import (
+    EngineSpec,
+    FleetSpec,
+    SpecError,
+    format_fleet,
+    host_warnings,
+    load_fleet,
+)
 from engined.supervisor.state import EngineState
 from engined.supervisor.systemd import Notifier
 from engined.supervisor.webserver import make_runner
@@ -156,7 +165,7 @@ class Daemon:
         if self._stopping or future.cancelled():
             return
         log.warning("[guard] pid %s exited (%s): starting a new one", self.guard.pid,
-                    future.result().status.describe(unexpected=False))
+                    future.result().status.describe())
         self._start_guard()
 
     def _starting_children(self) -> int:
@@ -174,6 +183,10 @@ class Daemon:
 
     def _on_state(self, name: str, old: EngineState, new: EngineState) -> None:
         self.notifier.status(self._status_line())
+        replica = (self.fleet.replicas.get(name) or self.fleet.retiring.get(name)
+                   if self.fleet is not None else None)
+        if self.control is not None and replica is not None:
+            self.control.events.publish(transition(replica.view(), old.value))
         if self.gateway is not None:
             self.gateway.router.changed()
 
@@ -200,7 +213,9 @@ class Daemon:
             heartbeat_timeout_s=self.spec.supervisor.heartbeat_timeout_s,
             on_exit=self._engine_exited,
             on_state=self._on_state, monitor=self.monitor, reaper=self.reaper,
-            nvml=self.sampler.nvml, probes=self.probes,
+            nvml=self.sampler.nvml, probes=self.probes, oom=OomWitness(),
+            log_max_bytes=self.spec.supervisor.log_max_bytes,
+            log_backups=self.spec.supervisor.log_backups,
             in_flight=lambda name: self.gateway.router.in_flight(name) if self.gateway else 0)
         return lambda engine, owner: Replica(engine, deps, owner)
 
@@ -380,11 +395,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engined: invalid fleet spec:\n{exc}", file=sys.stderr)
         return EXIT_CONFIG
     if args.check:
+        for warning in host_warnings(spec):
+            print(f"engined: warning: {warning}", file=sys.stderr)
         try:
             print(format_fleet(spec))
         except BrokenPipeError:  # `engined --check | head`
             pass
         return EXIT_OK
+    set_process_title(f"engined: supervisor ({Path(args.config).name})", "engined")
     runtime_dir = resolve_runtime_dir(spec.supervisor.runtime_dir)
     lock = RuntimeLock(runtime_dir)
     try:

@@ -37,7 +37,7 @@ class LogSink:
         self.ring: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.lines_total = 0  # lines ever seen, so an incarnation can find its own tail
         self.write_errors = 0
-        self.followers: set[asyncio.Queue[str | None]] = set()
+        self.followers: dict[asyncio.Queue[str | None], str] = {}  # queue -> line prefix
         self._partial = b""
         self._file: int | None = None
         self._size = 0
@@ -72,9 +72,9 @@ class LogSink:
     def _add_line(self, line: str) -> None:
         self.ring.append(line)
         self.lines_total += 1
-        for queue in self.followers:
+        for queue, prefix in self.followers.items():
             if queue.qsize() < 10_000:  # a stuck follower must not grow without bound
-                queue.put_nowait(line)
+                queue.put_nowait(prefix + line)
 
     # --- reading -----------------------------------------------------------------------------
     def tail_since(self, mark: int, limit: int) -> list[str]:
@@ -96,13 +96,16 @@ class LogSink:
                 continue
         return lines[-count:] if lines else list(self.ring)[-count:]
 
-    def follow(self) -> asyncio.Queue[str | None]:
-        queue: asyncio.Queue[str | None] = asyncio.Queue()
-        self.followers.add(queue)
+    def follow(self, queue: asyncio.Queue[str | None] | None = None,
+               prefix: str = "") -> asyncio.Queue[str | None]:
+        """New lines as they come, each with `prefix` (a group's replicas share one queue)."""
+        if queue is None:
+            queue = asyncio.Queue()
+        self.followers[queue] = prefix
         return queue
 
     def unfollow(self, queue: asyncio.Queue[str | None]) -> None:
-        self.followers.discard(queue)
+        self.followers.pop(queue, None)
 
     # --- file --------------------------------------------------------------------------------
     def _write_file(self, data: bytes) -> bool:
@@ -141,6 +144,8 @@ class LogSink:
 
     def _rotate(self) -> None:
         self._close()
+        if self.backups == 0:  # no backups kept: start the file again
+            os.truncate(self.path, 0)
         for index in range(self.backups, 0, -1):
             src = self.path if index == 1 else self.path.with_name(f"{self.path.name}.{index - 1}")
             if src.exists():

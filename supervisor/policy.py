@@ -62,11 +62,11 @@ class ExitStatus:
     def clean(self) -> bool:
         return self.code == 0
 
-    def describe(self, unexpected: bool = True) -> str:
-        """`unexpected`: nobody here sent the signal, so a SIGKILL hints at the OOM killer."""
+    def describe(self, oom: bool = False) -> str:
+        """`oom`: the kernel says its OOM killer sent that SIGKILL (see supervisor/oom.py);
+        without that evidence a SIGKILL is just a SIGKILL (a person's `kill -9` is one too)."""
         if self.signal is not None:
-            hint = (" (out of memory? check the kernel log)"
-                    if unexpected and self.signal == signal.SIGKILL else "")
+            hint = " by the kernel's OOM killer (out of memory)" if oom else ""
             return f"killed by {self.signal_name}{hint}"
         if self.code == EXIT_CONFIG:
             return "exit 78 (invalid engine config or model)"

@@ -27,8 +27,9 @@ from engined.engine import protocol as proto
 from engined.engine.contract import CONFIG_LINE_PREFIX, EXIT_CONFIG
 from engined.supervisor.clock import Clock, to_wall
 from engined.supervisor.launcher import Child, ExitRecord, Launcher, owner_token, pick_port
-from engined.supervisor.logs import LogSink, PipeReader
+from engined.supervisor.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, LogSink, PipeReader
 from engined.supervisor.loop import LoopMonitor
+from engined.supervisor.oom import OomWitness
 from engined.supervisor.policy import (
     Action,
     Decision,
@@ -115,6 +116,9 @@ class ReplicaDeps:
     monitor: LoopMonitor  # the daemon's own pauses move every liveness deadline back
     reaper: Reaper | None = None  # clears what an exited incarnation left behind
     nvml: Nvml | None = None  # with a driver: wait for the GPU memory of the dead to be freed
+    oom: OomWitness | None = None  # says whether the OOM killer sent an unexpected SIGKILL
+    log_max_bytes: int = DEFAULT_MAX_BYTES  # supervisor.log_max_bytes
+    log_backups: int = DEFAULT_BACKUPS  # supervisor.log_backups
     rng: random.Random = field(default_factory=random.Random)
     probes: ProbeClient = field(default_factory=ProbeClient)  # command engines' HTTP probes
     in_flight: Callable[[str], int] = lambda name: 0  # the gateway's requests on a replica
@@ -157,7 +161,8 @@ class Replica:
         self.deps = deps
         self.owner = owner
         self.clock = deps.clock
-        self.log = LogSink(deps.log_dir / f"{spec.name}.log")
+        self.log = LogSink(deps.log_dir / f"{spec.name}.log", deps.log_max_bytes,
+                           deps.log_backups)
         self.state = EngineState.STOPPED
         self.desired = Desired.RUN
         self.incarnation = 0
@@ -307,6 +312,9 @@ class Replica:
             self.record.restarts[self._pending_reason] += 1
             self._pending_reason = None
         self._spawning, self._early = (self.name, self.incarnation + 1), []
+        # A fork-server spawn takes a round trip: meanwhile this replica counts as running (not
+        # settled; a stop, restart or a peer's stop is held as a command for the new child)
+        self._watching = True
         try:
             if self.spec.is_command:
                 port = pick_port(self.spec)
@@ -317,9 +325,15 @@ class Replica:
                     self._child_config(self.incarnation + 1), dict(self.spec.env),
                     self.spec.launcher)
         except OSError as exc:
-            self._early = []
+            self._early, self._watching, command = [], False, self._command
+            self._command = None
             self._spawn_failed(exc)
+            if self.desired is Desired.STOPPED and command is not None:
+                self._set_state(EngineState.STOPPED)  # asked to stop meanwhile: it is
             return False
+        except BaseException:
+            self._watching = False
+            raise
         finally:
             self._spawning = None
         self.incarnation += 1
@@ -523,23 +537,24 @@ class Replica:
         self.deps.on_exit(*self.address, _lost_because(reason, requested))
         self.record.cpu_seconds_exited += record.cpu_seconds
         expected = requested is not None or killed_for is not None
-        self.log.note(f"pid {child.pid} exited: {status.describe(not expected)}")
+        oom = (not expected and status.signal == signal.SIGKILL and self.deps.oom is not None
+               and self.deps.oom.killed(child.pid))
+        self.log.note(f"pid {child.pid} exited: {status.describe(oom)}")
         self._command = None
         ready_since = self.vitals.ready_at if self.vitals else None
         if self.desired is Desired.STOPPED:
             self._set_state(EngineState.STOPPED)
-            log.info("[stop] %s pid %d stopped (%s)", self.name, child.pid,
-                     status.describe(unexpected=False))
+            log.info("[stop] %s pid %d stopped (%s)", self.name, child.pid, status.describe())
         elif requested is _Command.PEER_STOP:
-            self._record_exit(record, Reason.GROUP, unexpected=False)
+            self._record_exit(record, Reason.GROUP, status.describe())
             self.owner.on_down(self, Down(Reason.GROUP, status, record.at_monotonic, ready_since,
-                                          True, child.pid, status.describe(unexpected=False)))
+                                          True, child.pid, status.describe()))
         elif requested is not None:  # a restart, or a stop overtaken by a start
             self._spawn_due = self.clock.monotonic()
         else:
             config_error = self._config_error() if status.code == EXIT_CONFIG else None
-            self._record_exit(record, reason, unexpected=killed_for is None)
-            description = status.describe(killed_for is None)
+            description = status.describe(oom)
+            self._record_exit(record, reason, description)
             if config_error:
                 description = f"exit 78: {config_error}"
             self.owner.on_down(self, Down(reason, status, record.at_monotonic, ready_since,
@@ -552,11 +567,10 @@ class Replica:
                 return line[len(CONFIG_LINE_PREFIX):].strip()
         return None
 
-    def _record_exit(self, record: ExitRecord, reason: Reason, unexpected: bool) -> None:
+    def _record_exit(self, record: ExitRecord, reason: Reason, description: str) -> None:
         status = record.status
         self.record.last_exit = LastExit(
-            status.code, status.signal_name, reason.value, record.at_wall,
-            status.describe(unexpected),
+            status.code, status.signal_name, reason.value, record.at_wall, description,
             tuple(self.log.tail_since(self._log_mark, EXIT_TAIL_LINES)))
 
     # --- what the owner tells it -------------------------------------------------------------

@@ -303,8 +303,10 @@ def is_engine_of(pid: int, daemon_pid: int) -> bool:
             env = proc.environ()  # engine children name the daemon; command engines carry its mark
             return env.get("ENGINED_PARENT_PID") == str(daemon_pid) or \
                 env.get("ENGINED_OWNER", "").startswith(f"{daemon_pid}/")
-        except psutil.AccessDenied:
-            return proc.cmdline()[-2:] == ["-m", "engined.engine"]
+        except psutil.AccessDenied:  # another uid's: go by its title, or its argv without one
+            cmdline = proc.cmdline()
+            return cmdline[-2:] == ["-m", "engined.engine"] or \
+                bool(cmdline) and cmdline[0].startswith("engined: ")
     except psutil.NoSuchProcess:
         return False
 

@@ -52,8 +52,8 @@ def left_running(daemon_pids: set[int]) -> list[str]:
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
             cmdline = " ".join(proc.info["cmdline"] or [])
-            if proc.pid in daemon_pids and "engined.supervisor.daemon" in cmdline \
-                    and "/tmp/er" in cmdline:
+            if proc.pid in daemon_pids and ("engined.supervisor.daemon" in cmdline
+                                            or cmdline.startswith("engined: supervisor")):
                 found.append(f"daemon {proc.pid}: {cmdline[:120]}")
                 continue
             env = proc.environ()

@@ -61,6 +61,34 @@ def load_fleet(path: str | os.PathLike[str]) -> FleetSpec:
     return fleet
 
 
+# torch's dtype names (torch.<name> is a torch.dtype): the daemon never imports torch, so what it
+# can say before the child runs is "torch would not know this one", as a warning
+TORCH_DTYPES = frozenset({
+    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "complex64",
+    "complex128", "cfloat", "cdouble", "uint8", "int8", "int16", "short", "int32", "int",
+    "int64", "long", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+    "float8_e5m2fnuz", "uint16", "uint32", "uint64"})
+
+
+def host_warnings(fleet: FleetSpec) -> list[str]:
+    """What `--check` warns about without refusing the spec (exit 0): model directories that
+    do not exist on this machine (they may on the GPU host the spec is for) and dtypes torch
+    does not name (the child exits 78 for those)."""
+    found = []
+    for index, (group, members) in enumerate(fleet.groups().items()):
+        model = members[0].model
+        if model.path is not None and not members[0].is_command:
+            if not os.path.isdir(model.path):
+                why = "does not exist" if not os.path.exists(model.path) else "is not a directory"
+                found.append(f"{fleet.source}: engines[{index}].model.path: {model.path} {why} "
+                             f"here (engine {group!r}: it would exit 78 on this machine)")
+        if model.dtype is not None and model.dtype not in TORCH_DTYPES:
+            found.append(f"{fleet.source}: engines[{index}].model.dtype: {model.dtype!r} is not "
+                         f"a torch dtype name (float32, float16, bfloat16, ...): engine "
+                         f"{group!r} would exit 78")
+    return found
+
+
 def check_host(fleet: FleetSpec) -> None:
     """What the spec names on this machine and cannot do without: every `python:` interpreter
     must be an executable file (a missing one is a configuration error, not a crash loop), and
@@ -190,6 +218,7 @@ __all__ = [
     "anchor_paths",
     "check_host",
     "format_fleet",
+    "host_warnings",
     "load_fleet",
     "parse_duration",
     "parse_fleet",

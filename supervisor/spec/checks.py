@@ -170,6 +170,28 @@ def _int_in(low: int, high: int) -> _Check:
     return check
 
 
+_SIZE_RE = re.compile(r"([0-9]+)\s*(B|K|KB|KIB|M|MB|MIB|G|GB|GIB)?", re.IGNORECASE)
+_SIZE_FACTOR = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
+                "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def _size(low: int, high: int) -> _Check:
+    """Bytes: an integer, or a string with a binary unit (`10MiB`, `512K`, `1G`)."""
+    def check(problems: _Problems, value: Any, path: str) -> Any:
+        if type(value) is int:
+            size = value
+        elif isinstance(value, str) and (m := _SIZE_RE.fullmatch(value.strip())):
+            size = int(m.group(1)) * _SIZE_FACTOR[(m.group(2) or "").upper()]
+        else:
+            return problems.add(path, f"must be a size in bytes (an integer, or like 10MiB, "
+                                      f"512K), got {_describe(value)}")
+        if not low <= size <= high:
+            return problems.add(path, f"must be between {low} and {high} bytes, got {size}")
+        return size
+
+    return check
+
+
 def _bool(problems: _Problems, value: Any, path: str) -> Any:
     if not isinstance(value, bool):
         return problems.add(path, f"must be true or false, got {_describe(value)}")

@@ -58,12 +58,24 @@ def _format_supervisor(sup: SupervisorSpec) -> list[str]:
             else "default ($LOGS_DIRECTORY or <runtime_dir>/logs)",
         ),
         (
+            "log_rotation",
+            f"at {_fmt_bytes(sup.log_max_bytes)}, {sup.log_backups} backup(s) per engine",
+        ),
+        ("launcher", sup.launcher),
+        (
             "heartbeat",
             f"every {_fmt_duration(sup.heartbeat_interval_s)}, "
             f"timeout {_fmt_duration(sup.heartbeat_timeout_s)}",
         ),
     ]
     return ["supervisor:"] + [f"  {key:<16}{value}" for key, value in rows]
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n} bytes"
 
 
 def _format_engine(e: EngineSpec) -> list[str]:

@@ -149,6 +149,8 @@ class SupervisorSpec:
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
     launcher: str = "forkserver"  # every engine's, unless it sets its own
+    log_max_bytes: int = 10 * 1024 * 1024  # each engine's log file is rotated past this
+    log_backups: int = 3  # rotated files kept (NAME.log.1 ... .N); 0: start the file again
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from engined.supervisor.spec.checks import (
     _probe,
     _Problems,
     _progress,
+    _size,
     _unknown_keys,
 )
 from engined.supervisor.spec.model import (
@@ -159,6 +160,8 @@ _SUPERVISOR_CHECKS: dict[str, _Check] = {
     "heartbeat_interval": _duration(positive=True),
     "heartbeat_timeout": _duration(positive=True),
     "launcher": _enum(LAUNCHERS),
+    "log_max_bytes": _size(4096, 1 << 40),
+    "log_backups": _int_in(0, 100),
 }
 _SUPERVISOR_DEFAULTS: dict[str, Any] = {
     "http": DEFAULT_HTTP,
@@ -170,6 +173,8 @@ _SUPERVISOR_DEFAULTS: dict[str, Any] = {
     "heartbeat_interval": 1.0,
     "heartbeat_timeout": 10.0,
     "launcher": "forkserver",
+    "log_max_bytes": 10 * 1024 * 1024,
+    "log_backups": 3,
 }
 
 
@@ -204,7 +209,7 @@ def _check_version(problems: _Problems, top: Mapping[str, Any]) -> None:
 
 def _supervisor(problems: _Problems, raw: Any) -> SupervisorSpec:
     section = _mapping(problems, raw, "supervisor", null_ok=True) or {}
-    _unknown_keys(problems, section, "supervisor", _SUPERVISOR_CHECKS)
+    _unknown_keys(problems, section, "supervisor", _SUPERVISOR_CHECKS, _elsewhere("supervisor"))
     values = dict(_SUPERVISOR_DEFAULTS)
     for key, check in _SUPERVISOR_CHECKS.items():
         if key in section:
@@ -235,13 +240,30 @@ def _supervisor(problems: _Problems, raw: Any) -> SupervisorSpec:
         heartbeat_interval_s=interval,
         heartbeat_timeout_s=timeout,
         launcher=values["launcher"],
+        log_max_bytes=values["log_max_bytes"],
+        log_backups=values["log_backups"],
     )
+
+
+def _elsewhere(section: str) -> dict[str, str]:
+    """A key that exists in another section: say where it belongs (not "did you mean ...")."""
+    out: dict[str, str] = {}
+    if section != "supervisor":
+        out.update({key: f"{key!r} belongs under supervisor: (it is engined's own setting)"
+                    for key in _SUPERVISOR_CHECKS if key not in _SETTING_CHECKS})
+    if section == "supervisor":
+        out.update({key: f"{key!r} is an engine setting: put it under defaults: (every engine) "
+                         f"or in an engine"
+                    for key in _SETTING_KEYS if key not in _SUPERVISOR_CHECKS})
+        out.update({key: f"{key!r} is set per engine, under engines:" for key in _ENGINE_ONLY})
+    return out
 
 
 def _defaults(problems: _Problems, raw: Any) -> dict[str, _Located]:
     section = _mapping(problems, raw, "defaults", null_ok=True) or {}
     hints = {key: f"{key!r} can only be set per engine, not in defaults" for key in _ENGINE_ONLY}
-    _unknown_keys(problems, section, "defaults", _SETTING_KEYS, hints)
+    _unknown_keys(problems, section, "defaults", _SETTING_KEYS,
+                  {**_elsewhere("defaults"), **hints})
     return _settings(problems, section, "defaults")
 
 
@@ -305,7 +327,7 @@ def _group(
     section = _mapping(problems, raw, path)
     if section is None:
         return None
-    _unknown_keys(problems, section, path, (*_SETTING_KEYS, *_ENGINE_ONLY))
+    _unknown_keys(problems, section, path, (*_SETTING_KEYS, *_ENGINE_ONLY), _elsewhere("engine"))
     name = _engine_name(problems, section.get("name"), f"{path}.name", "name" in section)
     replicas = _int_in(1, 1024)(problems, section.get("replicas", 1), f"{path}.replicas")
     settings = {**_BUILTIN_SETTINGS, **defaults, **_settings(problems, section, path)}

@@ -83,9 +83,10 @@ def test_restart_no_wait_returns_before_ready(engined):
     old = d.engine("slow-0")["pid"]
     out = d.ctl("restart", "slow", "--no-wait")
     assert out.returncode == 0, out
-    # It answered with the state of the moment, before the replacement (2 s to load) was READY:
-    # the old engine, or one on its way down or up, never a READY new one.
-    m = re.fullmatch(r"slow-0: (\w+)(?: \(pid (\d+)\))?\n", out.stdout)
+    # It answered before the replacement (2 s to load) was READY, saying what was asked and the
+    # state of the moment: the old engine, or one on its way down or up, never "READY (pid
+    # <old pid>)" as if the restart were done.
+    m = re.fullmatch(r"slow-0: restart requested \(was (\w+)(?:, pid (\d+))?\)\n", out.stdout)
     assert m, out.stdout
     state, pid = m.group(1), int(m.group(2) or 0)
     assert state in ("READY", "STOPPING", "STARTING"), out.stdout
@@ -236,6 +237,31 @@ def test_garbage_zmq_frames_are_counted_and_dropped(engined):
 
 
 # --- logs -------------------------------------------------------------------------------------
+
+
+def test_logs_of_a_group_interleave_its_replicas_with_their_names(engined):
+    d = engined([{"name": "echo", "replicas": 2, "model": "builtin:echo"}])
+    out = d.ctl("logs", "echo", "-n", "2")
+    assert out.returncode == 0, out
+    lines = out.stdout.splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["echo-0"] * 2 + ["echo-1"] * 2, lines
+    assert [line.split(" | ", 1)[1] for line in lines[:2]] == \
+        d.ctl("logs", "echo-0", "-n", "2").stdout.splitlines()  # one replica: no prefix
+    follow = d.ctl_popen("logs", "echo", "-f", "-n", "1", stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    try:
+        stream = stream_lines(follow.stdout)
+        read_until(stream, lines[-1], 20)  # the head (echo-1's last line): following has begun
+        pids = {n: e["pid"] for n, e in d.engines().items()}
+        assert d.ctl("restart", "echo-1").returncode == 0
+        assert d.ctl("restart", "echo-0").returncode == 0
+        seen = read_until(stream, f"spawned pid {d.engine('echo-0')['pid']}", 20)
+        assert any(line.startswith("echo-1 | ") and f"pid {pids['echo-1']} exited" in line
+                   for line in seen), seen
+        assert follow.poll() is None  # still following both
+    finally:
+        follow.terminate()
+        follow.wait(timeout=10)
 
 
 def test_logs_tail_follow_and_fd_level_output(engined):

@@ -80,7 +80,8 @@ def test_launcher_exec_still_works_per_engine_and_per_supervisor(engined):
     engines = d.engines()
     assert engines["echo-0"]["launcher"] == engines["echo-1"]["launcher"] == "exec"
     assert engines["other-0"]["launcher"] == "forkserver"
-    assert psutil.Process(engines["echo-0"]["pid"]).cmdline()[-2:] == ["-m", "engined.engine"]
+    exec_child = psutil.Process(engines["echo-0"]["pid"])
+    assert exec_child.ppid() == d.pid and exec_child.exe() == psutil.Process(d.pid).exe()
     d2 = engined([ECHO], supervisor={"launcher": "exec"})
     assert {e["launcher"] for e in d2.engines().values()} == {"exec"}
     assert fork_servers(d2) == []

@@ -53,7 +53,18 @@ def test_fleet_ready_status_and_generate(engined):
         assert e["group"] == "echo" and e["state"] == "READY"
         proc = psutil.Process(e["pid"])  # forked from the preloaded fork server, a child of ours
         assert e["launcher"] == "forkserver" and proc.ppid() == d.pid, e
-        assert proc.name() == e["name"] and "engined.engine.forkserver" in proc.cmdline()
+        # its title in ps/top: `engined: echo-0 (incarnation 1)` (args), `echo-0` (comm)
+        assert proc.name() == e["name"], proc.name()
+        assert " ".join(proc.cmdline()).startswith(f"engined: {e['name']} (incarnation 1)")
+        assert proc.environ()["ENGINED_PARENT_PID"] == str(d.pid)  # the title left environ
+    # what `ps` shows (args and comm), the daemon's title included
+    ps = subprocess.run(["ps", "-o", "pid=,comm=,args=", "-p",
+                         ",".join(str(p) for p in [d.pid] + [e["pid"] for e in data["engines"]])],
+                        capture_output=True, text=True, timeout=10, check=True).stdout
+    rows = {int(line.split()[0]): line.split(None, 2)[1:] for line in ps.splitlines()}
+    assert rows[d.pid][1].startswith(f"engined: supervisor ({d.spec_path.name})"), rows
+    for e in data["engines"]:
+        assert rows[e["pid"]] == [e["name"], f"engined: {e['name']} (incarnation 1)"], rows
         assert e["incarnation"] == 1 and e["restarts"] == 0 and e["last_exit"] is None
         assert e["since"] <= time.time() and e["startup_s"] > 0
         assert e["heartbeat_age_s"] is not None and e["heartbeat_age_s"] >= 0
@@ -262,8 +273,10 @@ def test_no_fd_leak_or_zombies_after_restart_cycles(engined):
                f"daemon fds back near {baseline} (now {daemon.num_fds()})")
     zombies = [c.pid for c in daemon.children() if c.status() == psutil.STATUS_ZOMBIE]
     assert zombies == []
-    # a forked engine shows the fork server's cmdline, with its own name (PR_SET_NAME)
-    engines = [c for c in daemon.children() if not c.name().startswith("python")]
+    # engines carry their titles (`engined: echo-0 (incarnation 4)`); the guard and the fork
+    # server are the daemon's other children
+    engines = [c for c in daemon.children()
+               if " ".join(c.cmdline()).startswith("engined: echo-0 ")]
     # the engine, the guard, and one fork server
     assert len(engines) == 1 and len(daemon.children()) == 3, daemon.children()
 

@@ -48,6 +48,11 @@ WHOLE_FILE = ("fleet spec is empty", "fleet spec is too large", "cannot read fle
 MORE_PROBLEMS = re.compile(r"\.\.\. and \d+ more problems$")
 
 
+def only_warnings(err: str) -> bool:
+    """A valid spec's --check may warn (a model directory absent on this machine), nothing else."""
+    return all(line.startswith("engined: warning: ") for line in err.splitlines())
+
+
 # --- valid starting points ----------------------------------------------------------------------
 
 EVERY_KEY = {
@@ -55,7 +60,7 @@ EVERY_KEY = {
     "supervisor": {"http": "127.0.0.1:9400", "control_socket": "/run/engined/ctl.sock",
                    "runtime_dir": "/run/engined", "log_dir": "/var/log/engined",
                    "heartbeat_interval": "500ms", "heartbeat_timeout": "5s",
-                   "launcher": "exec"},
+                   "launcher": "exec", "log_max_bytes": "20MiB", "log_backups": 5},
     "defaults": {"restart": "on-failure",
                  "backoff": {"initial": "2s", "max": "1m", "factor": 3, "jitter": 0.2,
                              "reset_after": "5m"},
@@ -100,7 +105,7 @@ def test_starting_points_are_valid(tmp_path: Path) -> None:
         path.write_text(yaml.safe_dump(base, sort_keys=False))
         code, out, err = check_in_process(path)
         assert code == 0, err
-        assert out.startswith("fleet ") and err == ""
+        assert out.startswith("fleet ") and only_warnings(err), err
 
 
 # --- rendering with duplicates -------------------------------------------------------------------
@@ -298,7 +303,7 @@ def judge(path: Path, code: int, out: str, err: str) -> None:
     assert code in (0, 78), (code, err[-2000:])
     assert "Traceback" not in err and "Traceback" not in out, err[-4000:]
     if code == 0:
-        assert out.startswith(f"fleet {path}: ") and err == "", (out[:200], err)
+        assert out.startswith(f"fleet {path}: ") and only_warnings(err), (out[:200], err)
         return
     assert out == "", out[:200]
     assert err.startswith(HEADER + "\n"), err[:500]

@@ -88,6 +88,7 @@ class FakeLauncher:
         self.children: dict[str, list[FakeChild]] = {}
         self.spawn_errors: dict[str, list[OSError]] = {}  # raised by the next spawns, in order
         self.spawn_delay_s = 0.0
+        self.spawn_delays: dict[str, float] = {}  # per replica name
         self._pids = iter(range(40_000, 1 << 22))
 
     async def spawn(self, config: proto.EngineConfig, env: Mapping[str, str],
@@ -95,8 +96,9 @@ class FakeLauncher:
         errors = self.spawn_errors.get(config.name)
         if errors:
             raise errors.pop(0)
-        if self.spawn_delay_s:  # a fork server's round trip: the child runs before we know it
-            await asyncio.sleep(self.spawn_delay_s)
+        delay = self.spawn_delays.get(config.name, self.spawn_delay_s)
+        if delay:  # a fork server's round trip: the child may run before we know it
+            await asyncio.sleep(delay)
         child = FakeChild(self.loop, self.clock, next(self._pids), config,
                           self.behaviours.get(config.name, Behaviour()))
         self.children.setdefault(config.name, []).append(child)

@@ -100,3 +100,31 @@ def test_what_a_child_says_before_its_spawn_returns_is_kept(tmp_path):
         finally:
             await w.close()
     run(main)
+
+
+def test_a_gang_waits_for_a_rank_whose_spawn_is_in_flight(tmp_path):
+    """A peer fails while a rank's (fork-server) spawn is still in flight: that rank is not
+    "down" yet; its new child is stopped the moment it exists, and the gang decides once."""
+    async def main() -> None:
+        w = await World.build(tmp_path, [{"name": "dp", "replicas": 2, "data_parallel": True,
+                                          "backoff": {"initial": "1s", "jitter": 0}}])
+        try:
+            w.launcher.spawn_delays = {"dp-0": 0.5}  # dp-1 spawns at once
+            w.fleet.start()
+            await w.settle(0.6)
+            assert w.spawns("dp-0") == w.spawns("dp-1") == 1
+            w.child("dp-1").exit(1)  # the gang stops dp-0 and restarts both at once
+            await w.settle(0.1)
+            assert w.spawns("dp-0") == 1 and w.spawns("dp-1") == 2
+            w.child("dp-1").exit(1)  # dp-0's spawn is still in flight
+            await w.settle()
+            assert not w.replica("dp-0").settled  # spawning: not down
+            assert w.spawns("dp-1") == 2  # no decision yet: the gang waits for dp-0
+            await w.settle(0.5)  # dp-0's child now exists: stopped at once for its peer
+            first_round = w.child("dp-0")
+            assert signal.SIGTERM in first_round.signals
+            await w.settle(5)
+            assert w.spawns("dp-0") == w.spawns("dp-1") == 3  # one decision per round
+        finally:
+            await w.close()
+    run(main)

@@ -271,7 +271,9 @@ def test_restart_prints_one_line_per_engine_and_sends_wait_and_timeout(
 
 def test_stop_no_wait(daemon: FakeDaemon, sock: str, capsys: Cap) -> None:
     assert cli.main(["stop", "tiny-0", "--no-wait"]) == 0
-    assert capsys.readouterr().out == "tiny-0: STOPPED\n"
+    # not "STOPPED" as if it were done, nor "READY (pid <old pid>)" after a restart: what was
+    # asked, and the state the engine was in when it was asked
+    assert capsys.readouterr().out == "tiny-0: stop requested (was STOPPED)\n"
     assert daemon.requests[0][2] == {"wait": False, "timeout_s": 120.0}
 
 
@@ -513,3 +515,33 @@ def test_runs_as_a_script(sock: str) -> None:
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert "tiny-0" in proc.stdout
+
+
+# --- what the state column says -----------------------------------------------------------------
+
+T0 = 1_700_000_000.0
+
+
+@pytest.mark.parametrize("engine, cell", [
+    ({"state": "READY"}, "READY"),
+    ({"state": "READY", "role": "standby"}, "READY (standby)"),
+    ({"state": "STARTING", "phase": "weights", "since": T0 - 75}, "STARTING (weights, 1m15s)"),
+    ({"state": "STARTING", "since": T0 - 2}, "STARTING (spawned, 2s)"),
+    ({"state": "BACKOFF", "restart_at": T0 + 4.2}, "BACKOFF (retry in 5s)"),
+    ({"state": "BACKOFF", "restart_at": None}, "BACKOFF (restarting now)"),
+    ({"state": "FAILED", "fail_reason": "exit 78: no tokenizer files"},
+     "FAILED (exit 78: no tokenizer files)"),
+    ({"state": "FAILED", "fail_reason": "start limit: " + "x" * 100},
+     "FAILED (start limit: " + "x" * 46 + "…)"),
+    ({"state": "STOPPED", "desired": "stopped"}, "STOPPED (by an operator)"),
+    ({"state": "STOPPED", "desired": "run", "last_exit": {"code": 0}},
+     "STOPPED (exited; its restart policy keeps it down)"),
+    ({"state": "STOPPED", "desired": "run"}, "STOPPED"),
+])
+def test_the_state_column_explains_itself(engine: dict, cell: str) -> None:
+    assert cli.state_cell(engine, T0) == cell
+
+
+def test_version_is_not_a_usage_error(capsys: Cap) -> None:
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"enginectl {cli.__version__}"

@@ -42,7 +42,7 @@ def test_exit_reason(status, killed_for, reason):
 
 @pytest.mark.parametrize("status, name, text", [
     (ExitStatus(code=143), "SIGTERM", "exit 143 (terminated by SIGTERM after cleanup)"),
-    (ExitStatus(signal=9), "SIGKILL", "killed by SIGKILL (out of memory? check the kernel log)"),
+    (ExitStatus(signal=9), "SIGKILL", "killed by SIGKILL"),
     (ExitStatus(signal=11), "SIGSEGV", "killed by SIGSEGV"),
     (ExitStatus(code=78), None, "exit 78 (invalid engine config or model)"),
     (ExitStatus(code=3), None, "exit 3"),
@@ -52,8 +52,35 @@ def test_exit_description(status, name, text):
     assert status.describe() == text
 
 
-def test_our_own_sigkill_has_no_oom_hint():
-    assert KILLED.describe(unexpected=False) == "killed by SIGKILL"
+def test_a_sigkill_is_called_an_oom_kill_only_with_evidence():
+    assert KILLED.describe() == "killed by SIGKILL"
+    assert KILLED.describe(oom=True) == \
+        "killed by SIGKILL by the kernel's OOM killer (out of memory)"
+
+
+KMSG_OOM = [
+    b"6,1234,5000000,-;oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,"
+    b"mems_allowed=0,oom_memcg=/x,task_memcg=/x,task=python3,pid=4242,uid=0\n",
+    b"3,1235,5000001,-;Memory cgroup out of memory: Killed process 4242 (python3) "
+    b"total-vm:1000kB, anon-rss:900kB, file-rss:0kB, shmem-rss:0kB, UID:0\n",
+    b"3,1236,5000002,-;Out of memory: Killed process 777 (engine) total-vm:1kB\n",
+    b"6,1237,5000003,-;usb 1-1: new device 4242\n",
+]
+
+
+def test_oom_evidence_from_the_kernel_log_names_the_pid(tmp_path):
+    from engined.supervisor.oom import OomWitness, oom_pids_in
+
+    assert oom_pids_in(KMSG_OOM) == {4242, 777}
+    no_log = str(tmp_path / "no-kmsg")  # unreadable: the cgroup counter decides
+    counter = tmp_path / "memory.events"
+    counter.write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    witness = OomWitness(kmsg=no_log, counter=counter)
+    assert not witness.killed(5)  # the counter did not move: a plain kill -9
+    counter.write_text("low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\n")
+    assert witness.killed(5)  # it moved since the last look
+    assert not witness.killed(5)  # and not again
+    assert not OomWitness(kmsg=no_log, counter=None).killed(5)  # no evidence at all
 
 
 def test_wait_status_decoding():

@@ -410,6 +410,15 @@ RULES = [
     ("a: &a [*a]\n", "a[0]", 1, "recursive YAML alias"),
     ("", "", None, "empty"),
     ("# only a comment\n", "", None, "empty"),
+    # a key in the wrong section says where it belongs
+    ("version: 1\ndefaults: {heartbeat_timeout: 5s}\nengines: [{name: a, model: builtin:echo}]\n",
+     "defaults.heartbeat_timeout", 2, "belongs under supervisor:"),
+    ("version: 1\nsupervisor: {restart: never}\nengines: [{name: a, model: builtin:echo}]\n",
+     "supervisor.restart", 2, "is an engine setting: put it under defaults:"),
+    ("version: 1\nsupervisor: {replicas: 2}\nengines: [{name: a, model: builtin:echo}]\n",
+     "supervisor.replicas", 2, "is set per engine, under engines:"),
+    ("version: 1\nengines: [{name: a, model: builtin:echo, gateway: '127.0.0.1:1'}]\n",
+     "engines[0].gateway", 2, "belongs under supervisor:"),
     # launcher and standby
     ("version: 1\nsupervisor: {launcher: fork}\nengines: [{name: a, model: builtin:echo}]\n",
      "supervisor.launcher", 2, "forkserver"),
@@ -613,3 +622,26 @@ def test_relative_paths_resolve_against_the_spec_files_directory(tmp_path: Path)
     assert fleet.supervisor.control_socket is None
     # text without a file keeps what was written
     assert parse_fleet(spec.read_text()).engines[0].model.path == "models/x"
+
+
+def test_check_warns_about_missing_model_dirs_and_unknown_dtypes(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from engined.supervisor.spec import host_warnings
+
+    present = tmp_path / "model"
+    present.mkdir()
+    path = tmp_path / "fleet.yaml"
+    path.write_text(f"version: 1\nengines:\n"
+                    f"  - {{name: a, model: {{path: {tmp_path}/gone, dtype: bf16}}}}\n"
+                    f"  - {{name: b, model: {{path: {present}, dtype: bfloat16}}}}\n")
+    warnings = host_warnings(load_fleet(path))
+    assert len(warnings) == 2, warnings
+    assert "engines[0].model.path" in warnings[0] and "does not exist here" in warnings[0]
+    assert "engines[0].model.dtype: 'bf16' is not a torch dtype name" in warnings[1]
+    done = subprocess.run([sys.executable, "-m", "engined.supervisor.daemon", "--check", "-c",
+                           str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done  # warnings, not errors: the model may exist on the GPU host
+    assert done.stderr.count("engined: warning: ") == 2, done.stderr
+    assert done.stdout.startswith(f"fleet {path}: 2 group(s)"), done.stdout

@@ -160,7 +160,11 @@ def test_ready_with_device_model_and_load_time(ready_fleet: Daemon, vllm_python:
         assert e["startup_s"] > 0, e
         assert e["last_exit"] is None and e["incarnation"] == 1, e
         proc = psutil.Process(e["pid"])
-        assert proc.cmdline()[:3] == [vllm_python, "-m", "engined.engine"], proc.cmdline()
+        # under the vLLM venv's interpreter: forked from its fork server (or exec'd with it)
+        pythons = {s["python"] for s in d.status()["supervisor"]["fork_servers"]}
+        assert (e["launcher"] == "forkserver" and pythons == {vllm_python}) or \
+            proc.cmdline()[:3] == [vllm_python, "-m", "engined.engine"], (e, pythons)
+        assert " ".join(proc.cmdline()).startswith(f"engined: {name} (incarnation 1)")
         assert proc.children() == [], proc.children()  # vLLM in-process: no EngineCore/workers
         log = d.log_text(name)
         for phase in ("import", "weights", "warmup"):
