@@ -78,15 +78,18 @@ def read_children(pid: int) -> set[int]:
 
 
 GUARD_MODULE = "engined.supervisor.guard"
+FORK_SERVER_TITLE = "engined: fork server"  # engined.engine.contract's
 
 
 def engine_processes(daemon: psutil.Process) -> list[psutil.Process]:
     """The daemon's engine children: its children without the guard (the one process that
-    watches for the daemon's own death)."""
+    watches for the daemon's own death) and the fork servers."""
     found = []
     for child in daemon.children():
         try:
-            if GUARD_MODULE not in child.cmdline():
+            cmdline = child.cmdline()
+            if GUARD_MODULE not in cmdline and not " ".join(cmdline).startswith(
+                    FORK_SERVER_TITLE) and "engined.engine.forkserver" not in cmdline:
                 found.append(child)
         except psutil.NoSuchProcess:
             continue
