@@ -10,6 +10,7 @@ import sys
 from engined.engine.contract import CONFIG_LINE_PREFIX, ENV_CONFIG, EXIT_CONFIG
 
 if __name__ == "__main__":
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # nothing but stdio from whoever spawned us
     if ENV_CONFIG not in os.environ:
         sys.exit(f"engine: {ENV_CONFIG} is not set; engines are started by engined")
     try:

@@ -348,6 +348,89 @@ def cmd_events(client: Client, args: argparse.Namespace) -> int:
         resp.close()
 
 
+_BASH_COMPLETION = """\
+# bash completion for enginectl: `source <(enginectl completion bash)` in ~/.bashrc, or save it
+# as /etc/bash_completion.d/enginectl. Engine names come from the running daemon.
+_enginectl() {
+    local cur="${COMP_WORDS[COMP_CWORD]}" cmd="${COMP_WORDS[1]}" opts
+    if [ "$COMP_CWORD" -eq 1 ]; then
+        COMPREPLY=($(compgen -W "COMMANDS --socket --version --help" -- "$cur"))
+        return
+    fi
+    case "$cmd" in
+OPTIONS
+    esac
+    if [[ "$cur" == -* ]]; then
+        COMPREPLY=($(compgen -W "$opts" -- "$cur"))
+        return
+    fi
+    case "$cmd" in
+        status|restart|stop|start|logs)
+            COMPREPLY=($(compgen -W "$(${ENGINECTL:-enginectl} completion names 2>/dev/null)" \\
+                -- "$cur"));;
+        generate) [ "${COMP_WORDS[COMP_CWORD-1]}" = "--engine" ] && COMPREPLY=($(compgen -W \\
+                "$(${ENGINECTL:-enginectl} completion names 2>/dev/null)" -- "$cur"));;
+        completion) COMPREPLY=($(compgen -W "bash zsh" -- "$cur"));;
+    esac
+}
+complete -F _enginectl enginectl
+"""
+
+_ZSH_COMPLETION = """\
+#compdef enginectl
+# zsh completion for enginectl: save as _enginectl in a directory of $fpath (or
+# `source <(enginectl completion zsh)` after compinit). Engine names come from the daemon.
+_enginectl() {
+    if (( CURRENT == 2 )); then
+        compadd -- COMMANDS --socket --version --help
+        return
+    fi
+    local -a opts
+    case "${words[2]}" in
+OPTIONS
+    esac
+    if [[ "${words[CURRENT]}" == -* ]]; then
+        compadd -- ${opts[@]}
+    elif [[ "${words[2]}" == (status|restart|stop|start|logs) ]]; then
+        compadd -- ${(f)"$(${ENGINECTL:-enginectl} completion names 2>/dev/null)"}
+    elif [[ "${words[2]}" == completion ]]; then
+        compadd -- bash zsh
+    fi
+}
+_enginectl "$@"
+"""
+
+
+def completion_script(shell: str) -> str:
+    """The completion script for `shell`, its commands and options read from the parser."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    commands = [name for name in sub.choices if name != "completion"] + ["completion"]
+    options = {name: sorted(o for a in p._actions for o in a.option_strings)
+               for name, p in sub.choices.items()}
+    if shell == "bash":
+        cases = "\n".join(f'        {name}) opts="{" ".join(opts)}";;'
+                          for name, opts in options.items())
+        template = _BASH_COMPLETION
+    else:
+        cases = "\n".join(f"        {name}) opts=({' '.join(opts)});;"
+                          for name, opts in options.items())
+        template = _ZSH_COMPLETION
+    return template.replace("COMMANDS", " ".join(commands)).replace("OPTIONS", cases)
+
+
+def cmd_completion(client: Client, args: argparse.Namespace) -> int:
+    """`completion bash|zsh` prints the script; `completion names` (what the script calls)
+    prints the daemon's groups and replicas, and `all`."""
+    if args.shell != "names":
+        sys.stdout.write(completion_script(args.shell))
+        return EXIT_OK
+    engines = client.call("GET", "/v1/status").get("engines", [])
+    names = dict.fromkeys([e["group"] for e in engines] + [e["name"] for e in engines])
+    print("\n".join([*names, "all"]))
+    return EXIT_OK
+
+
 def _print_log_tail(engine: Mapping[str, Any]) -> None:
     if engine.get("fail_reason"):
         print(f"\nfailed: {engine['fail_reason']}")
@@ -521,6 +604,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-w", "--watch", action="store_true",
                    help="redraw whenever an engine changes state, until Ctrl-C")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("completion", parents=[common], help="shell completion script")
+    p.add_argument("shell", choices=("bash", "zsh", "names"),
+                   help="bash or zsh (names: the engine names, for the script)")
+    p.set_defaults(func=cmd_completion)
 
     p = sub.add_parser("events", parents=[common], help="state transitions as JSON lines")
     p.add_argument("-n", "--lines", type=_positive_int, default=100, metavar="N",

@@ -228,7 +228,7 @@ class Daemon:
         runner = make_runner(make_app(self.control), MAX_CONTROL_CONNECTIONS,
                              self.budget.may_accept)
         await runner.setup()
-        path = Path(self.spec.supervisor.control_socket or self.runtime_dir / "control.sock")
+        path = self.control_socket_path
         path.unlink(missing_ok=True)  # stale from a dead daemon; we hold the lock
         old_umask = os.umask(0o177)  # the socket is born 0600: no window with looser modes
         try:
@@ -238,6 +238,18 @@ class Daemon:
         os.chmod(path, 0o600)
         log.info("[control] listening on %s", path)
         return runner
+
+    @property
+    def control_socket_path(self) -> Path:
+        return Path(self.spec.supervisor.control_socket or self.runtime_dir / "control.sock")
+
+    def remove_control_socket(self) -> None:
+        """After a clean shutdown, still holding the runtime lock: nobody else can have bound
+        it."""
+        try:
+            self.control_socket_path.unlink()
+        except OSError:
+            pass
 
     async def _serve_http(self) -> list[web.AppRunner]:
         """The TCP endpoint for Prometheus and probes; `http: off` disables it."""
@@ -385,6 +397,26 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def seal_inherited_fds() -> list[int]:
+    """Descriptors whoever started us left open (a shell's, a CI runner's) are ours to keep but
+    no child's: mark them close-on-exec (posix_spawn cannot close them in the child). systemd's
+    socket-activation descriptors (LISTEN_FDS, from fd 3) are left alone. Returns those sealed."""
+    keep = set(range(3, 3 + int(os.environ.get("LISTEN_FDS", "0") or 0))) \
+        if os.environ.get("LISTEN_PID") == str(os.getpid()) else set()
+    sealed = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd < 3 or fd in keep:
+            continue
+        try:
+            if os.get_inheritable(fd):
+                os.set_inheritable(fd, False)
+                sealed.append(fd)
+        except OSError:
+            continue  # the directory listing's own descriptor, closed by now
+    return sealed
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
@@ -403,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return EXIT_OK
     set_process_title(f"engined: supervisor ({Path(args.config).name})", "engined")
+    seal_inherited_fds()
     runtime_dir = resolve_runtime_dir(spec.supervisor.runtime_dir)
     lock = RuntimeLock(runtime_dir)
     try:
@@ -412,13 +445,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engined: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     log_dir = resolve_log_dir(spec.supervisor.log_dir, runtime_dir)
+    code = EXIT_FAILURE
+    daemon = Daemon(spec, os.path.abspath(args.config), runtime_dir, log_dir)
     try:
-        return asyncio.run(Daemon(spec, os.path.abspath(args.config), runtime_dir, log_dir).run())
+        code = asyncio.run(daemon.run())
+        return code
     except RuntimeError_ as exc:
         print(f"engined: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     finally:
-        lock.release()
+        if code == EXIT_OK:  # a clean exit leaves no socket or lock file behind
+            daemon.remove_control_socket()
+        lock.release(unlink=code == EXIT_OK)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,7 @@ if nofile > 0:
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
     except (ValueError, OSError):
         pass
+os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # only its stdio goes to the server
 try:
     if cwd:
         os.chdir(cwd)

@@ -47,19 +47,37 @@ class RuntimeLock:
         self.fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise RuntimeError_(f"another engined (pid {holder}) holds the runtime directory "
-                                f"{self.path.parent}") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.fd = fd
+        """Take the lock. A daemon that exits cleanly unlinks the file while it holds the lock,
+        so a lock taken on a file that is no longer the one at the path (the inode changed, or
+        it is gone) is stale: open again."""
+        for _ in range(100):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise RuntimeError_(f"another engined (pid {holder}) holds the runtime "
+                                    f"directory {self.path.parent}") from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                self.fd = fd
+                return
+            os.close(fd)  # unlinked by the daemon that just left: try the new file
+        raise RuntimeError_(f"cannot lock {self.path}: it keeps being replaced")
 
-    def release(self) -> None:
+    def release(self, unlink: bool = False) -> None:
+        """`unlink` (a clean exit): remove the file first, while still holding the lock."""
         if self.fd is not None:
+            if unlink:
+                try:
+                    self.path.unlink()
+                except OSError:
+                    pass
             os.close(self.fd)
             self.fd = None

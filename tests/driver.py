@@ -101,14 +101,16 @@ class Daemon:
                 env[key] = value
         return env
 
-    def start(self, timeout_s: float = DAEMON_START_TIMEOUT_S) -> None:
-        """Run the daemon; wait up to `timeout_s` until its control socket answers."""
+    def start(self, timeout_s: float = DAEMON_START_TIMEOUT_S,
+              pass_fds: tuple[int, ...] = ()) -> None:
+        """Run the daemon; wait up to `timeout_s` until its control socket answers.
+        `pass_fds`: descriptors it inherits, as from a careless parent."""
         self.returncode = None
         with open(self.stderr_path, "ab") as err:
             self.proc = subprocess.Popen(
                 [PYTHON, "-m", "engined.supervisor.daemon", "-c", str(self.spec_path)],
                 cwd=REPO_ROOT, env=self.environment(), stdin=subprocess.DEVNULL,
-                stdout=err, stderr=err)
+                stdout=err, stderr=err, pass_fds=pass_fds)
         self.wait_for(self._answers, timeout_s, "the control socket to answer")
 
     @property

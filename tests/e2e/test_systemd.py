@@ -141,14 +141,16 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
         if os.environ.get("CI"):
             pytest.fail("systemd-analyze missing in CI: .ci/run must install Debian's systemd")
         pytest.skip("systemd-analyze not installed")
-    # The unit runs /usr/local/bin/engined; point it at this environment's engined (or another
-    # existing executable) so verify checks everything else about the unit.
+    # The unit runs the venv /opt/engined's engined (the README's install); point it at this
+    # environment's venv, installed the same way, so verify checks the unit against a real
+    # installed path.
     engined = shutil.which("engined") or str(Path(sys.executable).with_name("engined"))
     if not os.access(engined, os.X_OK):
         engined = sys.executable
     unit = (REPO / "systemd/engined.service").read_text()
-    assert "/usr/local/bin/engined" in unit
-    (tmp_path / "engined.service").write_text(unit.replace("/usr/local/bin/engined", engined))
+    assert "ExecStart=/opt/engined/bin/engined -c /etc/engined/fleet.yaml" in unit
+    assert "/usr/local/bin/engined" not in unit
+    (tmp_path / "engined.service").write_text(unit.replace("/opt/engined/bin/engined", engined))
     done = subprocess.run([analyze, "verify", str(tmp_path / "engined.service")],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), (
@@ -291,3 +293,19 @@ def test_supervisor_changes_are_reported_as_needing_a_restart(engined):
     daemon.spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
     out = _reload(daemon)
     assert _line(out, "restart required") == ["supervisor.heartbeat_timeout"]
+
+
+def test_the_readme_installs_where_the_unit_looks():
+    """The README's systemd commands make the venv the unit's ExecStart runs, and never ask for
+    `sudo pip install` into the system Python (PEP 668 refuses it on current Debian/Ubuntu)."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Run under systemd", 1)[1].split("\n## ", 1)[0]
+    commands = section.split("```sh", 1)[1].split("```", 1)[0]
+    unit = (REPO / "systemd/engined.service").read_text()
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    engined = exec_start.removeprefix("ExecStart=").split()[0]
+    venv = str(Path(engined).parent.parent)
+    assert f"python3 -m venv {venv}" in commands, commands
+    assert f"{venv}/bin/pip install" in commands, commands
+    assert "sudo pip install" not in commands and "sudo pip3 install" not in commands
+    assert "systemd/engined.service /etc/systemd/system/" in commands
