@@ -323,9 +323,10 @@ def _watch_status(client: Client, args: argparse.Namespace) -> int:
                     break
             data, changed = client.call("GET", "/v1/status"), True
     except KeyboardInterrupt:
-        return EXIT_OK
-    finally:
-        resp.close()
+        # The reader thread holds the response in a blocking read: closing it from here would
+        # wait on that read. Nothing to clean up: leave at once.
+        sys.stdout.flush()
+        os._exit(EXIT_OK)
 
 
 def cmd_events(client: Client, args: argparse.Namespace) -> int:

@@ -20,7 +20,14 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from engined.engine.contract import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, set_process_title
+from engined.engine.contract import (
+    CONTROL_SOCKET_NAME,
+    EXIT_CONFIG,
+    EXIT_FAILURE,
+    EXIT_OK,
+    REQUEST_SOCKET_NAME,
+    set_process_title,
+)
 from engined.supervisor import __version__
 from engined.supervisor.clock import SystemClock
 from engined.supervisor.control import ControlContext, make_app
@@ -244,12 +251,14 @@ class Daemon:
         return Path(self.spec.supervisor.control_socket or self.runtime_dir / "control.sock")
 
     def remove_control_socket(self) -> None:
-        """After a clean shutdown, still holding the runtime lock: nobody else can have bound
-        it."""
-        try:
-            self.control_socket_path.unlink()
-        except OSError:
-            pass
+        """After a clean shutdown, still holding the runtime lock (nobody else can have bound
+        them): the control socket and the engines' ZeroMQ ipc sockets."""
+        for path in (self.control_socket_path, self.runtime_dir / CONTROL_SOCKET_NAME,
+                     self.runtime_dir / REQUEST_SOCKET_NAME):
+            try:
+                path.unlink()
+            except OSError:
+                pass
 
     async def _serve_http(self) -> list[web.AppRunner]:
         """The TCP endpoint for Prometheus and probes; `http: off` disables it."""

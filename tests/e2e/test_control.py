@@ -153,7 +153,8 @@ def test_bad_control_requests_leave_the_fleet_alone(engined):
     _assert_json_error(d, "POST", "/v1/engines/echo-0/stop", b"[]", 400)
     _assert_json_error(d, "POST", "/v1/engines/all/stop", b'{"wait": "yes"}', 400)
     _assert_json_error(d, "POST", "/v1/engines/all/restart", b'{"timeout_s": "soon"}', 400)
-    _assert_json_error(d, "GET", "/v1/engines/echo/logs", None, 400)  # a group, not a replica
+    _assert_json_error(d, "GET", "/v1/engines/nope/logs", None, 404)  # (a group is fine now)
+    _assert_json_error(d, "GET", "/v1/events?lines=some", None, 400)
     _assert_json_error(d, "GET", "/v1/engines/echo-0/logs?lines=many", None, 400)
 
     # Not HTTP at all: the server answers 4xx (or hangs up) and keeps serving.
