@@ -16,7 +16,7 @@ Built lazily inside the child; imports nothing heavy at module level.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
     from engined.engine.protocol import ChatMessage, GpuMemory, Sampling
@@ -124,3 +124,17 @@ def fallback_chat_prompt(messages: list[ChatMessage]) -> str:
     """The documented chat fallback for tokenizers without a chat template."""
     return "".join(FALLBACK_CHAT_TEMPLATE.format(role=m.role, content=m.content)
                    for m in messages) + "<|assistant|>\n"
+
+
+def torch_gpu_memory(torch: Any, gpus: list[int]) -> list[GpuMemory]:
+    """torch's figures per GPU of this engine (physical index, in CUDA_VISIBLE_DEVICES order);
+    nothing before CUDA is initialised (asking would initialise it)."""
+    from engined.engine.protocol import GpuMemory
+
+    cuda = torch.cuda
+    if not gpus or not cuda.is_initialized():
+        return []
+    return [GpuMemory(gpu=physical, allocated_bytes=cuda.memory_allocated(i),
+                      reserved_bytes=cuda.memory_reserved(i),
+                      peak_bytes=cuda.max_memory_allocated(i))
+            for i, physical in enumerate(gpus[: cuda.device_count()])]

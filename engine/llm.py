@@ -38,6 +38,7 @@ from engined.engine.backend import (
     ProgressFn,
     RequestRejected,
     fallback_chat_prompt,
+    torch_gpu_memory,
 )
 
 if TYPE_CHECKING:
@@ -360,15 +361,7 @@ class HFBackend:
             self.model(input_ids=token)
 
     def gpu_memory(self) -> list[GpuMemory]:
-        from engined.engine.protocol import GpuMemory
-
-        cuda = self.torch.cuda
-        if not self.gpus or not cuda.is_initialized():
-            return []
-        return [GpuMemory(gpu=physical, allocated_bytes=cuda.memory_allocated(i),
-                          reserved_bytes=cuda.memory_reserved(i),
-                          peak_bytes=cuda.max_memory_allocated(i))
-                for i, physical in enumerate(self.gpus[: cuda.device_count()])]
+        return torch_gpu_memory(self.torch, self.gpus)
 
     def close(self) -> dict[str, float]:
         """Drop every reference to the weights; core's `finally` then releases CUDA caches."""

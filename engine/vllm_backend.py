@@ -40,6 +40,7 @@ from engined.engine.backend import (
     ProgressFn,
     RequestRejected,
     fallback_chat_prompt,
+    torch_gpu_memory,
 )
 from engined.engine.llm import _check_checkpoint, tiny_llama_dir
 
@@ -304,15 +305,7 @@ class VllmBackend:
         """Data parallel is not supported with vLLM (the spec rejects it): nothing to run."""
 
     def gpu_memory(self) -> list[GpuMemory]:
-        from engined.engine.protocol import GpuMemory
-
-        cuda = self.torch.cuda
-        if not self.gpus or not cuda.is_initialized():
-            return []
-        return [GpuMemory(gpu=physical, allocated_bytes=cuda.memory_allocated(i),
-                          reserved_bytes=cuda.memory_reserved(i),
-                          peak_bytes=cuda.max_memory_allocated(i))
-                for i, physical in enumerate(self.gpus[: cuda.device_count()])]
+        return torch_gpu_memory(self.torch, self.gpus)
 
     def close(self) -> dict[str, float]:
         """Shut vLLM's engine core down (its executor, worker, KV cache, process group), drop

@@ -11,18 +11,21 @@ no-orphans checks). Nothing here is pytest-specific.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -285,6 +288,39 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_daemon(engines: list[dict[str, Any]], supervisor: dict[str, Any] | None = None,
+                   defaults: dict[str, Any] | None = None,
+                   prefix: str = "eg") -> Iterator[Daemon]:
+    """A daemon outside the function-scoped `engined` fixture (a module's shared fleet), with
+    its teardown checks: a clean exit on SIGTERM (or already stopped cleanly by the test) and no
+    engine or fork server left."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    daemon = Daemon(root, build_spec(root, engines, supervisor, defaults))
+    try:
+        daemon.start()
+        yield daemon
+        if daemon.alive():
+            daemon.spawned_pids()
+            with contextlib.suppress(Exception):
+                daemon.status()
+        code = daemon.stop()
+        alive = wait_engines_gone(daemon.spawned_pids() | daemon.server_pids, daemon.pid,
+                                  ORPHAN_GRACE_S)
+        assert code == 0, f"engined did not exit cleanly on SIGTERM (exit {code})"
+        assert not alive, f"engine processes outlived engined: {alive}"
+    finally:
+        if daemon.alive():
+            daemon.stop()
+        if daemon.proc is not None:
+            for pid in wait_engines_gone(daemon.spawned_pids() | daemon.server_pids,
+                                         daemon.pid, 0):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        daemon.dump()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def process_gone(pid: int) -> bool:

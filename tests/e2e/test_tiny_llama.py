@@ -17,7 +17,6 @@ import re
 import shutil
 import signal
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,12 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
-from driver import ORPHAN_GRACE_S, PYTHON, Daemon, build_spec, process_gone, wait_engines_gone
+from driver import (
+    PYTHON,
+    Daemon,
+    process_gone,
+    running_daemon,
+)
 
 READY_TIMEOUT_S = 120.0  # torch import + load + warm-up, two replicas sharing a small CPU box
 FAILED_TIMEOUT_S = 60.0
@@ -46,30 +50,8 @@ def _tiny(name: str, cache: Path, replicas: int = 1, **extra: Any) -> dict[str, 
     return {"name": name, "replicas": replicas, "model": "builtin:tiny-llama", "env": env, **extra}
 
 
-@contextlib.contextmanager
-def _daemon(engines: list[dict[str, Any]]) -> Iterator[Daemon]:
-    """A daemon outside the function-scoped `engined` fixture, with the same teardown checks."""
-    root = Path(tempfile.mkdtemp(prefix="eg", dir="/tmp"))
-    daemon = Daemon(root, build_spec(root, engines, SUPERVISOR, DEFAULTS))
-    try:
-        daemon.start()
-        yield daemon
-        daemon.spawned_pids()
-        with contextlib.suppress(Exception):
-            daemon.status()
-        code = daemon.stop()
-        alive = wait_engines_gone(daemon.spawned_pids(), daemon.pid, ORPHAN_GRACE_S)
-        assert code == 0, f"engined did not exit cleanly on SIGTERM (exit {code})"
-        assert not alive, f"engine processes outlived engined: {alive}"
-    finally:
-        if daemon.alive():
-            daemon.stop()
-        if daemon.proc is not None:
-            for pid in wait_engines_gone(daemon.spawned_pids(), daemon.pid, 0):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-        daemon.dump()
-        shutil.rmtree(root, ignore_errors=True)
+def _daemon(engines: list[dict[str, Any]]) -> contextlib.AbstractContextManager[Daemon]:
+    return running_daemon(engines, SUPERVISOR, DEFAULTS, prefix="eg")
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,8 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +27,14 @@ import aiohttp
 import psutil
 import pytest
 import yaml
-from driver import ORPHAN_GRACE_S, REPO_ROOT, Daemon, build_spec, process_gone, wait_engines_gone
+from driver import (
+    ORPHAN_GRACE_S,
+    REPO_ROOT,
+    Daemon,
+    process_gone,
+    running_daemon,
+    wait_engines_gone,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -57,32 +62,8 @@ def vllm_engine(name: str, python: str, cache: Path, **extra: Any) -> dict[str, 
             "env": env, **extra}
 
 
-@contextlib.contextmanager
-def running_daemon(engines: list[dict[str, Any]]) -> Iterator[Daemon]:
-    """A daemon outside the function-scoped `engined` fixture, with its teardown checks: a clean
-    exit on SIGTERM (or already stopped cleanly by the test) and no engine process left."""
-    root = Path(tempfile.mkdtemp(prefix="egv", dir="/tmp"))
-    daemon = Daemon(root, build_spec(root, engines, SUPERVISOR, DEFAULTS))
-    try:
-        daemon.start()
-        yield daemon
-        if daemon.alive():
-            daemon.spawned_pids()
-            with contextlib.suppress(Exception):
-                daemon.status()
-        code = daemon.stop()
-        alive = wait_engines_gone(daemon.spawned_pids(), daemon.pid, ORPHAN_GRACE_S)
-        assert code == 0, f"engined did not exit cleanly on SIGTERM (exit {code})"
-        assert not alive, f"engine processes outlived engined: {alive}"
-    finally:
-        if daemon.alive():
-            daemon.stop()
-        if daemon.proc is not None:
-            for pid in wait_engines_gone(daemon.spawned_pids(), daemon.pid, 0):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-        daemon.dump()
-        shutil.rmtree(root, ignore_errors=True)
+def vllm_daemon(engines: list[dict[str, Any]]) -> contextlib.AbstractContextManager[Daemon]:
+    return running_daemon(engines, SUPERVISOR, DEFAULTS, prefix="egv")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +73,7 @@ def fleet(vllm_python: str, tiny_cache: Path) -> Iterator[Daemon]:
     engine = vllm_engine("vllm", vllm_python, tiny_cache, replicas=2,
                          stall_timeout=f"{STALL_TIMEOUT_S:g}s",
                          env={"ENGINED_FAULT_INJECTION": "1"})
-    with running_daemon([engine]) as daemon:
+    with vllm_daemon([engine]) as daemon:
         daemon.wait_all_ready(READY_TIMEOUT_S)
         yield daemon
 
