@@ -14,7 +14,6 @@ import os
 import socket
 import struct
 import time
-import uuid
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -23,7 +22,7 @@ from engined.engine import protocol as proto
 from engined.supervisor import __version__
 from engined.supervisor.events import EventLog
 from engined.supervisor.fleet import Fleet, NoEngineReady, UnknownEngine
-from engined.supervisor.ipc import EngineChannels, RequestFailed
+from engined.supervisor.ipc import EngineChannels, RequestFailed, new_request_id
 from engined.supervisor.reload import ReloadRejected
 from engined.supervisor.replica import Replica
 from engined.supervisor.sampler import Sample, Sampler
@@ -101,7 +100,10 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES,
                                             actual_size=request.content_length or 0)
     try:
-        raw = await asyncio.wait_for(request.read(), CLIENT_TIMEOUT_S)
+        if request.content.is_eof():  # the whole body is here (a small one usually is)
+            raw = await request.read()
+        else:
+            raw = await asyncio.wait_for(request.read(), CLIENT_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise web.HTTPRequestTimeout(
             reason=f"request body not received within {CLIENT_TIMEOUT_S:g}s") from None
@@ -169,7 +171,7 @@ def generate_request(body: dict[str, Any]) -> proto.GenerateRequest:
     sampling = proto.Sampling(max_tokens=int(_number(body, "max_tokens", 64, 1, 65536)),
                               temperature=_number(body, "temperature", 0.0, 0, 2),
                               top_p=_number(body, "top_p", 1.0, 1e-9, 1), seed=seed, stop=stop)
-    return proto.GenerateRequest(uuid.uuid4().hex, prompt=prompt or "", messages=chat,
+    return proto.GenerateRequest(new_request_id(), prompt=prompt or "", messages=chat,
                                  sampling=sampling, stream=stream)
 
 
@@ -324,7 +326,7 @@ class _Routes:
             deadline = started + timeout_s
             while True:
                 left = deadline - time.monotonic()
-                item = await asyncio.wait_for(stream.__anext__(), max(left, 0.001))
+                item = await stream.next(max(left, 0.001))
                 if isinstance(item, proto.TokenChunk):
                     if not await _write_line(response, {"text": item.text,
                                                         "token_ids": item.token_ids}):

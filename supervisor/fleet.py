@@ -288,7 +288,7 @@ class Fleet:
         """One request, not streamed; counted by outcome on the replica that served it."""
         replica, stream = self.open_request(channels, request, engine)
         try:
-            result = await asyncio.wait_for(stream.result(), timeout_s)
+            result = await stream.result(timeout_s)
         except asyncio.TimeoutError:
             replica.count_request("timeout")
             raise RequestTimeout(f"{replica.name} did not answer within {timeout_s:g}s") \

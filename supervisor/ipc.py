@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
+import os
 import time
 from typing import Callable
 
@@ -27,6 +29,14 @@ log = logging.getLogger("engined.ipc")
 
 _LOG_EVERY_S = 5.0
 _WAKE = proto.encode(proto.Wake())
+_ID_PREFIX = os.urandom(6).hex()  # this daemon's run: ids never repeat across restarts
+_ID_COUNTER = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """A request id unique to this daemon's lifetime and beyond (a random prefix per run, then
+    a counter): as unique as a uuid4 for routing results back, without a syscall per request."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
 
 
 class RequestFailed(Exception):
@@ -53,6 +63,7 @@ class EngineChannels:
         self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error, not a drop
         self.dropped: collections.Counter[str] = collections.Counter()
         self._streams: dict[str, RequestStream] = {}
+        self._in_flight: collections.Counter[str] = collections.Counter()  # engine -> streams
         self._last_log = 0.0
         self._control_fd = -1
         self._requests_fd = -1
@@ -183,17 +194,17 @@ class EngineChannels:
         """Send `request` to one incarnation; its chunks and result arrive on the stream.
         Raises RequestFailed if it cannot be sent."""
         stream = RequestStream(self, engine, incarnation, request.id)
+        self._send(routing_id(engine, incarnation), proto.encode(request))
         self._streams[request.id] = stream
-        try:
-            self._send(routing_id(engine, incarnation), proto.encode(request))
-        except RequestFailed:
-            self._streams.pop(request.id, None)
-            raise
+        self._in_flight[engine] += 1
         return stream
 
     def _close(self, stream: RequestStream) -> None:
         if self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
+            self._in_flight[stream.engine] -= 1
+            if self._in_flight[stream.engine] <= 0:
+                del self._in_flight[stream.engine]
             if not stream.finished:  # the client went away: the engine stops generating it
                 self.abort(stream.engine, stream.incarnation, stream.id)
 
@@ -208,7 +219,7 @@ class EngineChannels:
         """One request, not streamed: its result (RequestFailed / RequestTimeout otherwise)."""
         stream = self.open(engine, incarnation, request)
         try:
-            return await asyncio.wait_for(stream.result(), timeout_s)
+            return await stream.result(timeout_s)
         except asyncio.TimeoutError:
             raise RequestTimeout(f"{engine} did not answer within {timeout_s:g}s") from None
         finally:
@@ -240,7 +251,7 @@ class EngineChannels:
                 stream.fail(EngineLost(f"{engine} {reason}", engine, reason))
 
     def in_flight(self, engine: str) -> int:
-        return sum(1 for s in self._streams.values() if s.engine == engine)
+        return self._in_flight[engine]
 
 
 class EngineLost(RequestFailed):
@@ -253,45 +264,91 @@ class EngineLost(RequestFailed):
 
 class RequestStream:
     """One request's events, in order: TokenChunks, then its GenerateResult; an engine that goes
-    away ends it with EngineLost. Iterate it; `close()` when done (aborts it if unfinished)."""
+    away ends it with EngineLost. Iterate it, or `next(timeout_s)`; `close()` when done (aborts
+    it if unfinished).
+
+    The daemon waits on thousands of these: a wait is one future and, with a timeout, one timer
+    handle (asyncio.wait_for would add a task per wait: per request, and per streamed chunk),
+    and an item that is already here is returned without waiting at all.
+    """
 
     def __init__(self, channels: EngineChannels, engine: str, incarnation: int,
                  request_id: str) -> None:
         self.channels = channels
         self.engine, self.incarnation, self.id = engine, incarnation, request_id
-        self.queue: asyncio.Queue[proto.TokenChunk | proto.GenerateResult | RequestFailed] = \
-            asyncio.Queue()
+        self._items: collections.deque[proto.TokenChunk | proto.GenerateResult | RequestFailed] \
+            = collections.deque()
+        self._waiter: asyncio.Future[bool] | None = None
         self.finished = False
+
+    def _push(self, item: proto.TokenChunk | proto.GenerateResult | RequestFailed) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(True)
 
     def put(self, msg: proto.TokenChunk | proto.GenerateResult) -> None:
         if self.finished:
             return
         if isinstance(msg, proto.GenerateResult):
             self.finished = True
-        self.queue.put_nowait(msg)
+        self._push(msg)
 
     def fail(self, error: RequestFailed) -> None:
         if not self.finished:
             self.finished = True
-            self.queue.put_nowait(error)
+            self._push(error)
+
+    async def next(self, timeout_s: float | None = None
+                   ) -> proto.TokenChunk | proto.GenerateResult:
+        """The next item. StopAsyncIteration after the result; the RequestFailed that ended the
+        stream; asyncio.TimeoutError if nothing came within `timeout_s`."""
+        if not self._items:
+            if self.finished:
+                raise StopAsyncIteration
+            await self._wait(timeout_s)
+        item = self._items.popleft()
+        if isinstance(item, RequestFailed):
+            raise item
+        return item
+
+    async def _wait(self, timeout_s: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = (loop.call_later(max(timeout_s, 0.0), _expire, waiter)
+                 if timeout_s is not None else None)
+        try:
+            arrived = await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+        if not arrived and not self._items:
+            raise asyncio.TimeoutError
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> proto.TokenChunk | proto.GenerateResult:
-        if self.finished and self.queue.empty():
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, RequestFailed):
-            raise item
-        return item
+        return await self.next()
 
-    async def result(self) -> proto.GenerateResult:
-        """Its GenerateResult (chunks, if any, are skipped)."""
-        async for item in self:
+    async def result(self, timeout_s: float | None = None) -> proto.GenerateResult:
+        """Its GenerateResult (chunks, if any, are skipped); asyncio.TimeoutError past
+        `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while True:
+            try:
+                item = await self.next(None if deadline is None else deadline - loop.time())
+            except StopAsyncIteration:
+                raise RequestFailed(f"{self.engine} sent no result for {self.id}") from None
             if isinstance(item, proto.GenerateResult):
                 return item
-        raise RequestFailed(f"{self.engine} sent no result for {self.id}")
 
     def close(self) -> None:
         self.channels._close(self)
+
+
+def _expire(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)

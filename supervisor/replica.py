@@ -263,6 +263,17 @@ class Replica:
             port=self.port, command=spec.is_command, standby=spec.standby,
             launcher=self.child.launcher if self.child is not None else "")
 
+    def serving_heartbeat_age(self) -> float | None:
+        """Seconds since the last heartbeat of a READY, wanted incarnation that is serving (not
+        in its cleanup); None if there is none. What routing asks on every request: the part of
+        `view()` it needs, without building the whole view."""
+        vitals = self.vitals
+        if (self.state is not EngineState.READY or self.desired is not Desired.RUN
+                or self.pid is None or vitals is None or vitals.phase != "serving"
+                or vitals.heartbeat_at is None):
+            return None
+        return self.clock.monotonic() - vitals.heartbeat_at
+
     def count_request(self, outcome: str) -> None:
         self.record.requests[outcome] += 1
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,13 @@ from engined.engine import protocol as proto
 from engined.supervisor.gateway.openai import ApiError, Job, Usage
 from engined.supervisor.gateway.router import Router
 from engined.supervisor.gateway.upstream import Upstream, UpstreamStream
-from engined.supervisor.ipc import EngineChannels, EngineLost, RequestFailed, RequestStream
+from engined.supervisor.ipc import (
+    EngineChannels,
+    EngineLost,
+    RequestFailed,
+    RequestStream,
+    new_request_id,
+)
 
 log = logging.getLogger("engined.gateway")
 
@@ -65,7 +70,7 @@ class Relay:
             log.debug("[gateway] %s -> %s incarnation %d", request_id, replica.name,
                       replica.incarnation)
             try:
-                engine_id = uuid.uuid4().hex  # a fresh id per attempt: never mixed up
+                engine_id = new_request_id()  # a fresh id per attempt: never mixed up
                 try:
                     stream: RequestStream | UpstreamStream
                     if replica.spec.is_command:
@@ -125,7 +130,10 @@ async def _until(stream: AsyncIterable[proto.TokenChunk | proto.GenerateResult],
             raise ApiError(503, "the request did not finish within its request_timeout",
                            kind="server_error", code="timeout", headers={"Retry-After": "5"})
         try:
-            item = await asyncio.wait_for(iterator.__anext__(), left)
+            if isinstance(iterator, RequestStream):  # no task per item
+                item = await iterator.next(left)
+            else:
+                item = await asyncio.wait_for(iterator.__anext__(), left)
         except StopAsyncIteration:
             return
         except asyncio.TimeoutError:

@@ -19,7 +19,6 @@ from engined.supervisor.fleet import Fleet
 from engined.supervisor.gateway.openai import ApiError
 from engined.supervisor.replica import Replica
 from engined.supervisor.spec import EngineSpec
-from engined.supervisor.state import EngineState
 
 RECHECK_S = 0.1  # a waiting request looks again this often (heartbeats refresh without events)
 
@@ -77,11 +76,9 @@ class Router:
     # --- picking -----------------------------------------------------------------------------
     def routable(self, replica: Replica) -> bool:
         """READY, alive, serving (not in its cleanup), not draining, heard from lately."""
-        view = replica.view()
-        if view.state is not EngineState.READY or not view.wanted or replica.draining \
-                or replica.standby or view.pid is None or view.phase != "serving":
+        if replica.draining or replica.standby:
             return False
-        age = view.heartbeat_age_s
+        age = replica.serving_heartbeat_age()
         return age is not None and age <= self.stale_after(replica.spec)
 
     def stale_after(self, spec: EngineSpec) -> float:

@@ -49,7 +49,7 @@ class FakeStream:
     def __init__(self, engine: str, incarnation: int, request: proto.GenerateRequest) -> None:
         self.engine, self.incarnation, self.request = engine, incarnation, request
 
-    async def result(self) -> proto.GenerateResult:
+    async def result(self, timeout_s: float | None = None) -> proto.GenerateResult:
         prompt, n = self.request.prompt, self.request.sampling.max_tokens
         if prompt == "fail":
             raise RequestFailed(f"{self.engine}: boom")
