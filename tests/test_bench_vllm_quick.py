@@ -30,7 +30,8 @@ _PROBE = ("import importlib.util as u; "
 
 PATHS = ("direct `LLMEngine` (add_request + step, one process)",
          "engined: control socket `POST /v1/generate`",
-         "engined: gateway `POST /v1/completions`")
+         "engined: gateway `POST /v1/completions`",
+         "peer: `vllm serve` `POST /v1/completions`")
 CRASH_ROWS = ("engined: SIGKILL → READY (daemon's `since`)",
               "engined: SIGKILL → READY seen by a 20 ms status poll",
               "… of which SIGKILL → exit recorded (`last_exit.at`)",
@@ -96,13 +97,24 @@ def check_report(text: str) -> None:
         for m in ("16", "64"):
             for path in PATHS:
                 assert any(row[:3] == [c, m, path] for row in serving), (c, m, path, serving)
-            for path in ("control socket", "gateway"):
+            for path in ("control socket", "gateway", "peer: `vllm serve`"):
                 assert any(row[:2] == [c, m] and row[2].startswith(path) for row in verdicts), \
                     (c, m, path, verdicts)
-        for path in ("control socket", "gateway"):
+        for path in ("control socket", "gateway", "peer: `vllm serve`"):
             assert any(row[0].startswith(path) and row[1] == c for row in costs), (c, path)
-    assert {row[-1] for row in verdicts if row[0] == "8"} <= {"PASS", "MISS"}, verdicts
-    assert all(row[-1] == "–" for row in verdicts if row[0] == "1"), verdicts
+    engined = [row for row in verdicts if not row[2].startswith("peer")]
+    assert {row[-1] for row in engined if row[0] == "8"} <= {"PASS", "MISS"}, verdicts
+    assert all(row[-1] == "–" for row in verdicts if row[0] == "1" or row[2].startswith("peer"))
+
+    (sustained,) = tables(section(secs, "1b. Sustained load"))
+    for c in ("1", "8"):
+        for m in ("16", "64"):
+            for path in PATHS:
+                assert any(row[:3] == [c, m, path] for row in sustained), (c, m, path, sustained)
+    assert {row[-1] for row in sustained if row[0] == "8" and row[2].startswith("engined")} \
+        <= {"PASS", "MISS"}, sustained
+    assert all(row[-1] == "–" for row in sustained
+               if row[0] == "1" or not row[2].startswith("engined")), sustained
 
     (crash,) = tables(section(secs, "2. Crash → READY"))
     for label in CRASH_ROWS:
@@ -120,8 +132,9 @@ def check_report(text: str) -> None:
         assert has_row(serve_freeze, label), f"no row {label!r}: {serve_freeze}"
 
     (summary,) = tables(section(secs, "Summary"))
-    overhead_rows = [row for row in summary if row[0].startswith("overhead at 8 concurrent")]
-    assert len(overhead_rows) == 4, summary
-    assert all(row[-1] == "PASS" or row[-1].startswith("MISS") for row in overhead_rows), summary
+    for kind in ("throughput at 8 concurrent (sustained)", "overhead at 8 concurrent"):
+        rows = [row for row in summary if row[0].startswith(kind)]
+        assert len(rows) == 4, (kind, summary)
+        assert all(row[-1] == "PASS" or row[-1].startswith("MISS") for row in rows), summary
     assert has_row(summary, "crash → READY vs `vllm serve` cold start"), summary
     assert has_row(summary, "frozen core (SIGSTOP) detected"), summary
