@@ -410,3 +410,33 @@ def build_spec(root: Path, engines: list[dict[str, Any]] | None,
     return spec
 
 
+# --- the vLLM venv --------------------------------------------------------------------------------
+VLLM_PYTHON_ENV = "ENGINED_VLLM_PYTHON"
+DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+_VLLM_PROBE = ("import importlib.util as u; print(all(u.find_spec(m) is not None "
+               "for m in ('vllm', 'torch', 'zmq', 'msgspec')))")
+
+
+def vllm_python_or_skip(what: str) -> str:
+    """The vLLM venv's interpreter (ENGINED_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python), as
+    an absolute path, not resolved (a venv's python is a symlink, and the venv is only a venv
+    through that link). Without one the caller skips, except under CI=true, where `what` (the
+    vLLM tier, the vLLM benchmark) must run and fails."""
+    import pytest
+
+    def unavailable(message: str) -> None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{message} (CI=true: {what} must run)", pytrace=False)
+        pytest.skip(message)
+
+    path = os.path.abspath(os.environ.get(VLLM_PYTHON_ENV) or DEFAULT_VLLM_PYTHON)
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        unavailable(f"no vLLM interpreter at {path} (set {VLLM_PYTHON_ENV}, or create "
+                    f"{DEFAULT_VLLM_PYTHON.parent.parent}: see the README, \"Run vLLM under "
+                    f"engined\")")
+    probe = subprocess.run([path, "-c", _VLLM_PROBE], capture_output=True, text=True,
+                           timeout=60, cwd=Path(path).parent)
+    if probe.stdout.strip() != "True":
+        unavailable(f"{path} lacks vllm, torch, pyzmq or msgspec: {probe.stdout.strip()} "
+                    f"{probe.stderr.strip()[-500:]}")
+    return path

@@ -1,6 +1,6 @@
 """The vLLM benchmark runs once, in its quick mode, so that it cannot rot.
 
-`python -m bench.vllm --quick` in a subprocess (about 2-3 minutes on a 2-core box): it must exit 0
+`python -m bench.vllm --quick` in a subprocess (about 4 minutes on a 2-core box): it must exit 0
 and write every table with every row. Nothing here asserts wall-clock speed (benchmarks report,
 tests don't time), nor whether a target passed: only that each verdict is PASS or MISS.
 
@@ -18,15 +18,11 @@ from pathlib import Path
 
 import pytest
 from benchreport import section, sections, tables
+from driver import vllm_python_or_skip
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.bench, pytest.mark.vllm, pytest.mark.timeout(1200)]
-TIMEOUT_S = 900  # a bound, not a timing assertion: the quick run takes ~2-3 min
-
-VLLM_PYTHON_ENV = "ENGINED_VLLM_PYTHON"
-DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
-_PROBE = ("import importlib.util as u; "
-          "print(all(u.find_spec(m) is not None for m in ('vllm', 'torch', 'zmq', 'msgspec')))")
+TIMEOUT_S = 900  # a bound, not a timing assertion: the quick run takes ~4 min
 
 PATHS = ("direct `LLMEngine` (add_request + step, one process)",
          "engined: control socket `POST /v1/generate`",
@@ -50,25 +46,9 @@ SERVE_FREEZE_ROWS = ("`/health` stops answering 200", "`/health` polls answered 
                      "after SIGCONT")
 
 
-def _unavailable(message: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{message} (CI=true: the vLLM benchmark must run)", pytrace=False)
-    pytest.skip(message)
-
-
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
-    path = os.path.abspath(os.environ.get(VLLM_PYTHON_ENV) or DEFAULT_VLLM_PYTHON)
-    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-        _unavailable(f"no vLLM interpreter at {path} (set {VLLM_PYTHON_ENV}, or create "
-                     f"{DEFAULT_VLLM_PYTHON.parent.parent}: see the README, \"Run vLLM under "
-                     f"engined\")")
-    probe = subprocess.run([path, "-c", _PROBE], capture_output=True, text=True, timeout=60,
-                           cwd=Path(path).parent)
-    if probe.stdout.strip() != "True":
-        _unavailable(f"{path} lacks vllm, torch, pyzmq or msgspec: {probe.stdout.strip()} "
-                     f"{probe.stderr.strip()[-500:]}")
-    return path
+    return vllm_python_or_skip("the vLLM benchmark")
 
 
 def has_row(rows: list[list[str]], prefix: str) -> bool:
