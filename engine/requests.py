@@ -126,21 +126,30 @@ class RequestTable:
             self._finish(entry, event.reason)
 
     def _on_delta(self, entry: _Active, delta: Delta) -> None:
+        """Per token of every running request: the common case (no stop strings, not
+        streamed) is a few list and string appends."""
         self.tokens += len(delta.token_ids)
         entry.ids.extend(delta.token_ids)
-        entry.held_ids.extend(delta.token_ids)
+        stream, stops = entry.msg.stream, entry.stops
+        if stream:
+            entry.held_ids.extend(delta.token_ids)
+        if not stops:
+            entry.text += delta.text
+            if stream and delta.text:
+                self._chunk(entry)
+            return
         # from where a stop string could begin that ends in the new text (one may begin in the
         # resumed text: the seam)
-        checked_from = max(0, len(entry.text) - _longest(entry.stops) + 1)
+        checked_from = max(0, len(entry.text) - _longest(stops) + 1)
         entry.text += delta.text
-        cut = _find_stop(entry.text, entry.stops, checked_from)
+        cut = _find_stop(entry.text, stops, checked_from)
         if cut is not None:
             entry.text = entry.text[:cut]
             entry.stopped = True
             self.backend.abort(entry.msg.id)
             self._finish(entry, proto.FINISH_STOP)
             return
-        if entry.msg.stream and delta.text and not _may_begin_stop(entry.text, entry.stops):
+        if stream and delta.text and not _may_begin_stop(entry.text, stops):
             self._chunk(entry)
 
     def _chunk(self, entry: _Active) -> None:
