@@ -966,10 +966,11 @@ def report_method(r: Report, over: dict[str, Any], fail: dict[str, Any],
       "(for direct rows: its idle background). An engine figure that grows on a path where the "
       "daemon works at the same time is contention for this 2-CPU machine: the same compute "
       "takes the engine longer.",
-      "- The engine's batching window is in every row: an idle engine that gets a request "
-      "waits while more keep coming (gaps under 1 ms, at most 5 ms, `engine/core.py` "
-      "`_coalesce`), so a lone request pays one empty 1 ms poll, and a burst of 8 fills the "
-      "batch and skips it: why echo's latency at 8 can be lower than at 1.",
+      "- tiny-llama's batching window is in its rows, direct included: the transformers "
+      "backend runs one `generate` per batch, so an idle engine that gets a request waits "
+      "while more keep coming (gaps under 1 ms, at most 5 ms, `engine/core.py` `_coalesce`): "
+      "a lone request pays one empty 1 ms poll, a burst of 8 fills the batch and skips it. "
+      "Echo batches continuously (a request joins the next step) and has no window.",
       "- Every request: the same prompts (equal lengths, so a batch pads nothing), max_tokens "
       f"{MAX_TOKENS}, temperature 0 (greedy; the gateway's default would be OpenAI's 1). "
       "tokens/request is the median completion length each path reported; equal across paths "
