@@ -264,8 +264,8 @@ class EngineLost(RequestFailed):
 
 class RequestStream:
     """One request's events, in order: TokenChunks, then its GenerateResult; an engine that goes
-    away ends it with EngineLost. Iterate it, or `next(timeout_s)`; `close()` when done (aborts
-    it if unfinished).
+    away ends it with EngineLost. One reader iterates it, or calls `next(timeout_s)`; `close()`
+    when done (aborts it if unfinished).
 
     The daemon waits on thousands of these: a wait is one future and, with a timeout, one timer
     handle (asyncio.wait_for would add a task per wait: per request, and per streamed chunk),
@@ -313,6 +313,8 @@ class RequestStream:
         return item
 
     async def _wait(self, timeout_s: float | None) -> None:
+        if self._waiter is not None:  # a second reader would steal the first one's wake-up
+            raise RuntimeError(f"request {self.id} already has a reader waiting")
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
         timer = (loop.call_later(max(timeout_s, 0.0), _expire, waiter)

@@ -112,6 +112,19 @@ def test_a_cancelled_reader_leaves_the_stream_readable() -> None:
     assert isinstance(run(main()), proto.GenerateResult)
 
 
+def test_a_second_reader_is_refused_and_the_first_still_gets_the_item() -> None:
+    async def main() -> Any:
+        stream = _stream()
+        first = asyncio.ensure_future(stream.next(30))
+        await asyncio.sleep(0.01)
+        with pytest.raises(RuntimeError, match="already has a reader"):
+            await stream.next(30)
+        stream.put(_result())
+        return await first
+
+    assert isinstance(run(main()), proto.GenerateResult)
+
+
 def test_request_ids_do_not_repeat() -> None:
     ids = {new_request_id() for _ in range(10_000)}
     assert len(ids) == 10_000 and all(len(i) >= 13 for i in ids)
