@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -359,16 +360,26 @@ class DirectWorker:
         self.log.close()
 
 
-async def control_round(session: Any, prompts: list[str], max_tokens: int) -> Round:
+Answer = tuple[float, int, str, float]  # latency, tokens, finish reason, life in the engine child
+OneRequest = Callable[[str, int], Awaitable[Answer]]  # (prompt, max_tokens) -> its answer
+
+
+def answers_round(elapsed_s: float, answers: list[Answer]) -> Round:
+    """A round (or trial) of answers; the engine child's time when every answer has one."""
+    lives = [a[3] for a in answers]
+    return Round(elapsed_s, [a[0] for a in answers], [a[1] for a in answers],
+                 [a[2] for a in answers],
+                 engine_s=max(lives) if all(x == x for x in lives) else None)
+
+
+async def burst(one: OneRequest, prompts: list[str], max_tokens: int) -> Round:
+    """Every prompt sent at once, timed from the first send to the last answer."""
     started = time.perf_counter()
-    results = await asyncio.gather(*(control_one(session, p, max_tokens) for p in prompts))
-    elapsed = time.perf_counter() - started
-    return Round(elapsed, [x[0] for x in results], [x[1] for x in results],
-                 [x[2] for x in results], engine_s=max(x[3] for x in results))
+    answers = await asyncio.gather(*(one(p, max_tokens) for p in prompts))
+    return answers_round(time.perf_counter() - started, list(answers))
 
 
-async def control_one(session: Any, prompt: str, max_tokens: int
-                      ) -> tuple[float, int, str, float]:
+async def control_one(session: Any, prompt: str, max_tokens: int) -> Answer:
     """One `POST /v1/generate`: (latency, tokens, finish reason, its life in the engine child)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "engine": ENGINE}
     started = time.perf_counter()
@@ -381,8 +392,8 @@ async def control_one(session: Any, prompt: str, max_tokens: int
 
 
 async def completion_one(session: Any, port: int, model: str, prompt: str, max_tokens: int
-                         ) -> tuple[float, int, str, float]:
-    """One OpenAI `POST /v1/completions` (engined's gateway, or `vllm serve`)."""
+                         ) -> Answer:
+    """One OpenAI `POST /v1/completions` (engined's gateway, or `vllm serve`): no child time."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     started = time.perf_counter()
     async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
@@ -393,31 +404,19 @@ async def completion_one(session: Any, port: int, model: str, prompt: str, max_t
             data["choices"][0]["finish_reason"], float("nan"))
 
 
-async def completions_round(session: Any, port: int, model: str, prompts: list[str],
-                            max_tokens: int) -> Round:
-    started = time.perf_counter()
-    results = await asyncio.gather(*(completion_one(session, port, model, p, max_tokens)
-                                     for p in prompts))
-    elapsed = time.perf_counter() - started
-    return Round(elapsed, [x[0] for x in results], [x[1] for x in results],
-                 [x[2] for x in results])
-
-
-async def sustained_http(one: Any, concurrency: int, total: int, max_tokens: int) -> Round:
+async def sustained_trial(one: OneRequest, concurrency: int, total: int, max_tokens: int) -> Round:
     """`concurrency` clients, each sending its next request as soon as its last one answered,
     until `total` requests are done: the trial's time, every request's latency."""
     left = iter(range(total))
-    results: list[tuple[float, int, str, float]] = []
+    answers: list[Answer] = []
 
     async def client() -> None:
         for k in left:
-            results.append(await one(PROMPTS[k % len(PROMPTS)], max_tokens))
+            answers.append(await one(PROMPTS[k % len(PROMPTS)], max_tokens))
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    elapsed = time.perf_counter() - started
-    return Round(elapsed, [x[0] for x in results], [x[1] for x in results],
-                 [x[2] for x in results])
+    return answers_round(time.perf_counter() - started, answers)
 
 
 Results = dict[tuple[str, int, int], list[Round]]  # (path, concurrency, max_tokens) -> rounds
@@ -437,7 +436,7 @@ async def overhead(daemon: Daemon, worker: DirectWorker, serve: VllmServe, round
                                      timeout=timeout) as control, \
             aiohttp.ClientSession(timeout=timeout) as gateway, \
             aiohttp.ClientSession(timeout=timeout) as peer:
-        ones = {
+        ones: dict[str, OneRequest] = {
             "control": lambda prompt, m: control_one(control, prompt, m),
             "gateway": lambda prompt, m: completion_one(gateway, daemon.gateway_port, GROUP,
                                                         prompt, m),
@@ -452,14 +451,8 @@ async def overhead(daemon: Daemon, worker: DirectWorker, serve: VllmServe, round
                     for path in PATHS[k:] + PATHS[:k]:
                         if path == "direct":
                             sample = await asyncio.to_thread(worker.run, prompts, m)
-                        elif path == "control":
-                            sample = await control_round(control, prompts, m)
-                        elif path == "gateway":
-                            sample = await completions_round(gateway, daemon.gateway_port,
-                                                             GROUP, prompts, m)
                         else:
-                            sample = await completions_round(peer, serve.port,
-                                                             str(serve.model), prompts, m)
+                            sample = await burst(ones[path], prompts, m)
                         if i >= WARMUP_ROUNDS:
                             bursts[(path, c, m)].append(sample)
         for i in range(trials):
@@ -471,7 +464,7 @@ async def overhead(daemon: Daemon, worker: DirectWorker, serve: VllmServe, round
                         if path == "direct":
                             sample = await asyncio.to_thread(worker.run, PROMPTS, m, c, n)
                         else:
-                            sample = await sustained_http(ones[path], c, n, m)
+                            sample = await sustained_trial(ones[path], c, n, m)
                         sustained[(path, c, m)].append(sample)
     return bursts, sustained
 
