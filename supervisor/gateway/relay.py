@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,21 +119,17 @@ class Relay:
             self.on_move(job.model)
 
 
-async def _until(stream: AsyncIterable[proto.TokenChunk | proto.GenerateResult],
-                 deadline: float, clock: Callable[[], float]
+async def _until(stream: RequestStream | UpstreamStream, deadline: float,
+                 clock: Callable[[], float]
                  ) -> AsyncIterator[proto.TokenChunk | proto.GenerateResult]:
     """The stream's items, ApiError 503 at the request's deadline."""
-    iterator = stream.__aiter__()
     while True:
         left = deadline - clock()
         if left <= 0:
             raise ApiError(503, "the request did not finish within its request_timeout",
                            kind="server_error", code="timeout", headers={"Retry-After": "5"})
         try:
-            if isinstance(iterator, RequestStream):  # no task per item
-                item = await iterator.next(left)
-            else:
-                item = await asyncio.wait_for(iterator.__anext__(), left)
+            item = await stream.next(left)
         except StopAsyncIteration:
             return
         except asyncio.TimeoutError:

@@ -15,6 +15,7 @@ checks only its own output).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -96,6 +97,7 @@ class UpstreamStream:
         self.delivered, self.memo = list(delivered), memo
         self.lost: str | None = None
         self._response: aiohttp.ClientResponse | None = None
+        self._iterator: AsyncIterator[Item] | None = None
 
     def close(self) -> None:
         self.upstream._open.discard(self)
@@ -104,6 +106,14 @@ class UpstreamStream:
 
     def __aiter__(self) -> AsyncIterator[Item]:
         return self._items()
+
+    async def next(self, timeout_s: float | None = None) -> Item:
+        """The next item, as `RequestStream.next`: StopAsyncIteration at the end,
+        asyncio.TimeoutError if none came within `timeout_s` (which ends the upstream request:
+        the wait cancels it)."""
+        if self._iterator is None:
+            self._iterator = self._items()
+        return await asyncio.wait_for(self._iterator.__anext__(), timeout_s)
 
     def _lost(self, why: str) -> EngineLost:
         return EngineLost(f"{self.engine}: {self.lost or why}", self.engine, self.lost or why)
