@@ -299,6 +299,27 @@ class SSEStream(threading.Thread):
         return sum(1 for x in self.token_times if x > t)
 
 
+FREEZE_ATTEMPTS = 3  # a stream that ended before the freeze is sent again, at most this often
+
+
+def stream_in_flight(port: int, body: dict[str, Any], what: str) -> SSEStream:
+    """A streamed completion that has delivered FREEZE_AFTER_CHUNKS token events and is still
+    running: the precondition of every freeze. A server that falls behind its engine merges the
+    tokens it has not sent yet into one event (vLLM's RequestOutputCollector does), so on a loaded
+    box a request can finish in fewer events than that; it is sent again then. An error ends it."""
+    for _ in range(FREEZE_ATTEMPTS):
+        stream = SSEStream(port, body)
+        stream.start()
+        wait_until(lambda s=stream: len(s.token_times) >= FREEZE_AFTER_CHUNKS or s.ended_at,
+                   60, f"the first tokens of {what}", 0.01)
+        if not stream.ended_at:
+            return stream
+        if stream.error:
+            raise BenchError(f"{what} failed: {stream.error}")
+    raise BenchError(f"{what} ended ({stream.finish}) before {FREEZE_AFTER_CHUNKS} token events "
+                     f"arrived, {FREEZE_ATTEMPTS} times")
+
+
 # --- 1. overhead ----------------------------------------------------------------------------------
 @dataclass
 class Round:
@@ -578,14 +599,9 @@ class VllmServe:
 
 def serve_freeze(serve: VllmServe, core: psutil.Process, window_s: float) -> dict[str, Any]:
     """SIGSTOP the EngineCore while a streamed completion runs; poll /health for the window."""
-    stream = SSEStream(serve.port, {"model": str(serve.model), "prompt": PROMPTS[0],
-                                    "max_tokens": FREEZE_MAX_TOKENS, "temperature": 0,
-                                    "ignore_eos": True})
-    stream.start()
-    wait_until(lambda: len(stream.token_times) >= FREEZE_AFTER_CHUNKS or stream.ended_at, 60,
-               "the first tokens of the streamed completion")
-    if stream.ended_at:
-        raise BenchError(f"vllm serve's stream ended early: {stream.error or stream.finish}")
+    stream = stream_in_flight(serve.port, {"model": str(serve.model), "prompt": PROMPTS[0],
+                                           "max_tokens": FREEZE_MAX_TOKENS, "temperature": 0,
+                                           "ignore_eos": True}, "vllm serve's completion")
     t_stop = time.time()
     core.send_signal(signal.SIGSTOP)
     polls: list[tuple[float, int | None]] = []
@@ -657,14 +673,9 @@ def engined_freeze(daemon: Daemon) -> dict[str, Any]:
     wait_until(lambda: daemon.engine()["heartbeat_age_s"] is not None, 30, "a first heartbeat",
                0.05)
     old_pid, old_inc = e["pid"], e["incarnation"]
-    stream = SSEStream(daemon.gateway_port, {"model": GROUP, "prompt": PROMPTS[0],
-                                             "max_tokens": FREEZE_MAX_TOKENS,
-                                             "temperature": 0})
-    stream.start()
-    wait_until(lambda: len(stream.token_times) >= FREEZE_AFTER_CHUNKS or stream.ended_at, 60,
-               "the first tokens of the streamed completion")
-    if stream.ended_at:
-        raise BenchError(f"the gateway stream ended early: {stream.error or stream.finish}")
+    stream = stream_in_flight(daemon.gateway_port, {"model": GROUP, "prompt": PROMPTS[0],
+                                                    "max_tokens": FREEZE_MAX_TOKENS,
+                                                    "temperature": 0}, "the gateway's completion")
     t_stop = time.time()
     os.kill(old_pid, signal.SIGSTOP)
     health_bad = None
@@ -900,15 +911,9 @@ class BareFreezes(threading.Thread):
         prober.start()  # a kubelet has probed since the container started
         try:
             wait_until(lambda: prober.probes, 5, "the k8s-style probe's first probe", 0.05)
-            stream = SSEStream(serve.port, {"model": str(serve.model), "prompt": PROMPTS[0],
-                                            "max_tokens": FREEZE_MAX_TOKENS, "temperature": 0,
-                                            "ignore_eos": True})
-            stream.start()
-            wait_until(lambda: len(stream.token_times) >= FREEZE_AFTER_CHUNKS or stream.ended_at,
-                       60, "the first tokens of the bare server's completion", 0.01)
-            if stream.ended_at:
-                raise BenchError(f"the bare server's stream ended early: "
-                                 f"{stream.error or stream.finish}")
+            body = {"model": str(serve.model), "prompt": PROMPTS[0],
+                    "max_tokens": FREEZE_MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            stream = stream_in_flight(serve.port, body, "the bare server's completion")
             health = HealthWatch(serve.port)
             t_core = time.time()
             self.core.send_signal(signal.SIGSTOP)
@@ -952,14 +957,10 @@ def served_freeze(daemon: ServeDaemon, target: str, in_flight: bool) -> dict[str
     victim = core_in(tree) if target == "core" else tree[0]
     stream = None
     if in_flight:
-        stream = SSEStream(daemon.gateway_port, {"model": SERVED, "prompt": PROMPTS[0],
-                                                 "max_tokens": FREEZE_MAX_TOKENS,
-                                                 "temperature": 0})
-        stream.start()
-        wait_until(lambda: len(stream.token_times) >= FREEZE_AFTER_CHUNKS or stream.ended_at,
-                   60, "the first tokens of the gateway's completion", 0.01)
-        if stream.ended_at:
-            raise BenchError(f"the gateway stream ended early: {stream.error or stream.finish}")
+        stream = stream_in_flight(daemon.gateway_port, {"model": SERVED, "prompt": PROMPTS[0],
+                                                        "max_tokens": FREEZE_MAX_TOKENS,
+                                                        "temperature": 0},
+                                  "the gateway's completion")
     health = HealthWatch(e["port"])
     t_stop = time.time()
     victim.send_signal(signal.SIGSTOP)
