@@ -78,7 +78,14 @@ def tiny_llama_dir(progress: ProgressFn) -> Path:
     return target
 
 
-def _save_tiny_llama(directory: Path) -> None:
+# tiny-llama's shape; bench.vllm builds a heavier model from the same recipe (its section 1c)
+TINY_LLAMA_DIMS: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512,
+                                   "num_hidden_layers": 2, "num_attention_heads": 4,
+                                   "num_key_value_heads": 2}
+
+
+def _save_tiny_llama(directory: Path, dims: dict[str, Any] | None = None) -> None:
+    """The recipe: a byte-level tokenizer, random weights of `dims` (tiny-llama's by default)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -92,8 +99,7 @@ def _save_tiny_llama(directory: Path) -> None:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
                                         bos_token="<s>", eos_token="</s>")
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    config = LlamaConfig(vocab_size=len(vocab), **(dims or TINY_LLAMA_DIMS),
                          max_position_embeddings=2048, pad_token_id=0, bos_token_id=1,
                          eos_token_id=2, tie_word_embeddings=False,
                          initializer_range=0.2)  # wide enough that greedy output varies

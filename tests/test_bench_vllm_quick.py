@@ -86,6 +86,16 @@ def check_report(text: str) -> None:
     assert {row[-1] for row in engined if row[0] == "8"} <= {"PASS", "MISS"}, verdicts
     assert all(row[-1] == "–" for row in verdicts if row[0] == "1" or row[2].startswith("peer"))
 
+    serving, verdicts, costs = tables(section(secs, "1c. The same bursts at a realistic step"))
+    for c in ("1", "8"):
+        for m in ("16", "64"):
+            for path in PATHS:
+                assert any(row[:3] == [c, m, path] for row in serving), (c, m, path, serving)
+            assert sum(row[:2] == [c, m] for row in verdicts) == 3, (c, m, verdicts)
+    assert {row[-1] for row in verdicts if row[0] == "8" and not row[2].startswith("peer")} \
+        <= {"PASS", "MISS"}, verdicts
+    assert len(costs) == 6, costs
+
     (sustained,) = tables(section(secs, "1b. Sustained load"))
     for c in ("1", "8"):
         for m in ("16", "64"):
@@ -112,9 +122,10 @@ def check_report(text: str) -> None:
         assert has_row(serve_freeze, label), f"no row {label!r}: {serve_freeze}"
 
     (summary,) = tables(section(secs, "Summary"))
-    for kind in ("throughput at 8 concurrent (sustained)", "overhead at 8 concurrent"):
+    # the overhead rows: tiny-llama's and the heavier model's (section 1c)
+    for kind, n in (("throughput at 8 concurrent (sustained)", 4), ("overhead at 8 concurrent", 8)):
         rows = [row for row in summary if row[0].startswith(kind)]
-        assert len(rows) == 4, (kind, summary)
+        assert len(rows) == n, (kind, summary)
         assert all(row[-1] == "PASS" or row[-1].startswith("MISS") for row in rows), summary
     assert has_row(summary, "crash → READY vs `vllm serve` cold start"), summary
     assert has_row(summary, "frozen core (SIGSTOP) detected"), summary
