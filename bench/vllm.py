@@ -98,6 +98,8 @@ SUSTAINED_REQUESTS_QUICK = {1: 12, 8: 48}
 # GPU; tiny-llama's ~2.7 ms step is mostly vLLM's own per-step Python.
 HEAVY_DIMS = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
               "num_attention_heads": 8, "num_key_value_heads": 4}
+HEAVY_SUSTAINED_REQUESTS = {1: 12, 8: 48}  # its sustained load (section 1d), per trial
+HEAVY_SUSTAINED_REQUESTS_QUICK = {1: 4, 8: 16}
 EXAMPLE = ROOT / "etc" / "examples" / "vllm-cpu.yaml"
 VLLM_PYTHON_ENV = "ENGINED_VLLM_PYTHON"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine (as the vLLM tier)
@@ -1122,10 +1124,18 @@ def fit(res: Results, path: str, c: int, fastest: bool = False
 
 
 # --- 1c. the same at a heavier step -------------------------------------------------------------
+@dataclass
+class Heavy:
+    bursts: Results
+    sustained: Results
+    dtypes: dict[str, str]
+    name: str
+
+
 def heavy_overhead(python: str, cache: Path, scratch: Path, pythonpath: str, cleanup: Cleanup,
-                   rounds: int) -> tuple[Results, dict[str, str], str]:
-    """Section 1's bursts (no sustained load) with HEAVY_DIMS: a direct worker, `vllm serve`
-    and a daemon of their own, started once nothing else runs and stopped after."""
+                   rounds: int, trials: int, sizes: dict[int, int]) -> Heavy:
+    """Sections 1 and 1b again with HEAVY_DIMS: a direct worker, `vllm serve` and a daemon of
+    their own, started once nothing else runs and stopped after."""
     tracker = cleanup.tracker
     model = build_heavy_checkpoint(cache)
     spec = {**engine_spec(python, cache), "model": {"path": str(model)}}
@@ -1137,11 +1147,11 @@ def heavy_overhead(python: str, cache: Path, scratch: Path, pythonpath: str, cle
     daemon = cleanup.start(Daemon(spec, tracker))
     dtypes = {"direct": worker.wait_ready()["dtype"], "engined": daemon.engine()["dtype"]}
     peer.wait_health()
-    bursts, _ = asyncio.run(overhead(daemon, worker, peer, rounds, 0, {}))
+    bursts, sustained = asyncio.run(overhead(daemon, worker, peer, rounds, trials, sizes))
     for started in (worker, peer, daemon):
         cleanup.stop(started)
     daemon.remove_dir()
-    return bursts, dtypes, model.name
+    return Heavy(bursts, sustained, dtypes, model.name)
 
 
 def heavy_step_ms(res: Results, c: int) -> float:
@@ -1150,15 +1160,16 @@ def heavy_step_ms(res: Results, c: int) -> float:
     return 1000 * round_med(res[("direct", c, m)]) / m
 
 
-def report_heavy(r: Report, res: Results, rounds: int, dtypes: dict[str, str], name: str,
+def report_heavy(r: Report, heavy: Heavy, rounds: int, trials: int, sizes: dict[int, int],
                  tiny_step_ms: float) -> dict:
+    res = heavy.bursts
     dims = ", ".join(f"{k.removeprefix('num_').replace('_', ' ')} {v}"
                      for k, v in HEAVY_DIMS.items())
     out = report_overhead(
-        r, res, rounds, dtypes,
+        r, res, rounds, heavy.dtypes,
         heading="## 1c. The same bursts at a realistic step time (a heavier random model)",
-        preface=(f"tiny-llama's recipe (its tokenizer, random weights) at {dims} ({name}), "
-                 f"everything else as in section 1. The direct step is "
+        preface=(f"tiny-llama's recipe (its tokenizer, random weights) at {dims} ({heavy.name}), "
+                 f"everything else as in sections 1 and 1b. The direct step is "
                  f"{heavy_step_ms(res, 1):.1f} ms at 1 concurrent and "
                  f"{heavy_step_ms(res, 8):.1f} ms at 8 (tiny-llama: {tiny_step_ms:.1f} ms), "
                  f"the order of a 7-13B model's decode step on one data-center GPU (memory-bound: "
@@ -1166,6 +1177,9 @@ def report_heavy(r: Report, res: Results, rounds: int, dtypes: dict[str, str], n
                  f"what it was in section 1, the step it is compared with is four times "
                  f"longer.", ""))
     out["step_ms"] = heavy_step_ms(res, 8)
+    out["sustained"] = report_sustained(
+        r, heavy.sustained, trials, sizes,
+        heading="## 1d. Sustained load on the heavier model (as section 1b)")
     return out
 
 
@@ -1252,11 +1266,11 @@ def report_overhead(r: Report, res: Results, rounds: int, dtypes: dict[str, str]
     return {"verdicts": verdicts, "fits": fits}
 
 
-def report_sustained(r: Report, res: Results, trials: int, sizes: dict[int, int]
-                     ) -> dict[tuple[str, int], float]:
+def report_sustained(r: Report, res: Results, trials: int, sizes: dict[int, int],
+                     heading: str = "") -> dict[tuple[str, int], float]:
     """Sustained load: throughput (tokens/s, median of the trials) and latency per path."""
-    r(f"## 1b. Sustained load: {' and '.join(map(str, CONCURRENCY))} requests always in flight "
-      f"(engined vs the same `LLMEngine` driven directly, `vllm serve` as the peer)", "",
+    r(heading or f"## 1b. Sustained load: {' and '.join(map(str, CONCURRENCY))} requests always "
+      f"in flight (engined vs the same `LLMEngine` driven directly, `vllm serve` as the peer)", "",
       *table("concurrency", "max_tokens", "path", "tokens/s (median of trials)",
              "throughput vs direct", "latency p50", "latency p50 vs direct", "latency p95",
              "requests", f"target at 8 (throughput within {OVERHEAD_TARGET_PCT:g} %)"))
@@ -1284,8 +1298,13 @@ def report_sustained(r: Report, res: Results, trials: int, sizes: dict[int, int]
                   f"{'–' if path == 'direct' else signed_pct(loss)} | {ms(pct(lats, 0.5))} | "
                   f"{'–' if path == 'direct' else vs_p50} | {ms(pct(lats, 0.95))} | "
                   f"{sum(len(t.tokens) for t in ts)} | {target} |")
+    trial = ', '.join(f'{n} requests at {c} in flight' for c, n in sizes.items())
+    if heading:  # section 1d: section 1b's method
+        r("", f"Every request generated exactly max_tokens: {'yes' if exact else 'NO'}. As in "
+          f"section 1b; a trial is {trial}, {trials} trial(s) per path.", "")
+        return verdicts
     r("", f"Every request generated exactly max_tokens: {'yes' if exact else 'NO'}. A trial is "
-      f"{', '.join(f'{n} requests at {c} in flight' for c, n in sizes.items())}: "
+      f"{trial}: "
       f"as many clients, each sending its next request the moment its last one is answered "
       f"(aiohttp, one connection per client), the way a serving benchmark at a fixed "
       f"concurrency drives a server; tokens/s is the trial's generated tokens over its time, "
@@ -1577,16 +1596,17 @@ def report_summary(r: Report, over: dict | None, crash: dict[str, float] | None,
 
 def report_backend_summary(r: Report, over: dict, crash: dict[str, float], freezes: list[dict],
                            serve_freeze_: dict | None) -> None:
-    for (path, m), loss in sorted(over["sustained"].items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        verdict = ("PASS" if loss > -OVERHEAD_TARGET_PCT
-                   else f"MISS by {-loss - OVERHEAD_TARGET_PCT:.1f} points")
-        r(f"| throughput at 8 concurrent (sustained) within {OVERHEAD_TARGET_PCT:g} % of direct, "
-          f"max_tokens {m}, {PATH_LABELS[path].removeprefix('engined: ')} | {signed_pct(loss)} | "
-          f"direct LLMEngine | {verdict} |")
-    heavy = over.get("heavy")
-    for verdicts, model in ((over["verdicts"], "tiny-llama"),
-                            (heavy["verdicts"] if heavy else {},
-                             f"heavier model ({heavy['step_ms']:.1f} ms steps)" if heavy else "")):
+    heavy = over.get("heavy") or {"verdicts": {}, "sustained": {}, "step_ms": 0.0}
+    models = ((over, "tiny-llama"), (heavy, f"heavier model ({heavy['step_ms']:.1f} ms steps)"))
+    for section, model in models:
+        for (path, m), loss in sorted(section["sustained"].items(),
+                                      key=lambda kv: (kv[0][1], kv[0][0])):
+            verdict = ("PASS" if loss > -OVERHEAD_TARGET_PCT
+                       else f"MISS by {-loss - OVERHEAD_TARGET_PCT:.1f} points")
+            r(f"| throughput at 8 concurrent (sustained) within {OVERHEAD_TARGET_PCT:g} % of "
+              f"direct, {model}, max_tokens {m}, {PATH_LABELS[path].removeprefix('engined: ')} "
+              f"| {signed_pct(loss)} | direct LLMEngine | {verdict} |")
+    for verdicts, model in ((s["verdicts"], model) for s, model in models):
         for (path, m), value in sorted(verdicts.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             verdict = ("PASS" if value < OVERHEAD_TARGET_PCT
                        else f"MISS by {value - OVERHEAD_TARGET_PCT:.1f} points")
@@ -1649,6 +1669,8 @@ def main(argv: list[str] | None = None) -> int:
     trials = args.trials or (2 if args.quick else 5)
     heavy_rounds = (args.heavy_rounds if args.heavy_rounds is not None
                     else 2 if args.quick else 12)
+    heavy_trials = 1 if args.quick else 3
+    heavy_sizes = HEAVY_SUSTAINED_REQUESTS_QUICK if args.quick else HEAVY_SUSTAINED_REQUESTS
     sizes = SUSTAINED_REQUESTS_QUICK if args.quick else SUSTAINED_REQUESTS
     kills = args.kills or (2 if args.quick else 5)
     n_serves = args.serves or (1 if args.quick else 3)
@@ -1674,7 +1696,7 @@ def main(argv: list[str] | None = None) -> int:
     serves: list[dict] = []
     freezes: list[dict] = []
     serve_out: dict[str, Any] | None = None
-    heavy: tuple[Results, dict[str, str], str] | None = None
+    heavy: Heavy | None = None
     try:
         load_before = os.getloadavg()
         r(f"# engined vLLM benchmark{' (--quick)' if args.quick else ''}"
@@ -1683,7 +1705,8 @@ def main(argv: list[str] | None = None) -> int:
           f"- vLLM interpreter: {python} ({vllm_versions(python)})",
           f"- load average at start: {load_before[0]:.2f} (1 min)")
         if backend:
-            r(f"- overhead rounds: {rounds} (on the heavier model: {heavy_rounds}); "
+            r(f"- overhead rounds: {rounds} (on the heavier model: {heavy_rounds}, and "
+              f"{heavy_trials} sustained trial(s)); "
               f"sustained-load trials: {trials} "
               f"({', '.join(f'{n} requests at {c}' for c, n in sizes.items())}); "
               f"engine kills: {kills}; `vllm serve` cold starts: "
@@ -1735,7 +1758,8 @@ def main(argv: list[str] | None = None) -> int:
             cleanup.stop(daemon)  # its vLLM engine's memory back before section 4
             daemon.remove_dir()
             if heavy_rounds:  # section 1c, on its own processes
-                heavy = heavy_overhead(python, cache, scratch, pythonpath, cleanup, heavy_rounds)
+                heavy = heavy_overhead(python, cache, scratch, pythonpath, cleanup, heavy_rounds,
+                                       heavy_trials, heavy_sizes)
         if served:
             # Section 4: `vllm serve` under engined as a command engine.
             serve_out = serve_section(python, checkpoint, scratch, cleanup, serve_kills,
@@ -1748,8 +1772,7 @@ def main(argv: list[str] | None = None) -> int:
         over = report_overhead(r, bursts, rounds, dtypes)
         over["sustained"] = report_sustained(r, sustained, trials, sizes)
         if heavy is not None:
-            heavy_res, heavy_dtypes, heavy_name = heavy
-            over["heavy"] = report_heavy(r, heavy_res, heavy_rounds, heavy_dtypes, heavy_name,
+            over["heavy"] = report_heavy(r, heavy, heavy_rounds, heavy_trials, heavy_sizes,
                                          heavy_step_ms(bursts, 8))
         crash = report_crash(r, crashes, serves)
         serve_freeze_ = serves[0].get("freeze") if serves else None
