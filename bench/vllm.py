@@ -203,8 +203,8 @@ def build_heavy_checkpoint(cache: Path) -> Path:
     target = cache / ("heavy-llama-" + "-".join(str(v) for v in HEAVY_DIMS.values()))
     if not (target / "config.json").exists():
         code = ("import json, sys; from pathlib import Path; "
-                "from engined.engine.llm import _save_tiny_llama; "
-                "_save_tiny_llama(Path(sys.argv[1]), json.loads(sys.argv[2]))")
+                "from engined.engine.llm import save_llama_recipe; "
+                "save_llama_recipe(Path(sys.argv[1]), json.loads(sys.argv[2]))")
         done = subprocess.run([sys.executable, "-c", code, str(target), json.dumps(HEAVY_DIMS)],
                               cwd=ROOT, env=child_env(cache), capture_output=True, text=True,
                               timeout=600)

@@ -68,7 +68,7 @@ def tiny_llama_dir(progress: ProgressFn) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=target.parent))
     try:
-        _save_tiny_llama(staging)
+        save_llama_recipe(staging)
         os.rename(staging, target)  # atomic; fails if another replica won the race
     except OSError:
         if not (target / "config.json").exists():
@@ -84,7 +84,7 @@ TINY_LLAMA_DIMS: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512,
                                    "num_key_value_heads": 2}
 
 
-def _save_tiny_llama(directory: Path, dims: dict[str, Any] | None = None) -> None:
+def save_llama_recipe(directory: Path, dims: dict[str, Any] | None = None) -> None:
     """The recipe: a byte-level tokenizer, random weights of `dims` (tiny-llama's by default)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
