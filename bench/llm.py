@@ -87,14 +87,19 @@ def child_env(cache: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def build_checkpoint(cache: Path) -> Path:
-    """Build the tiny model into `cache` (untimed), exactly as an engine would on first use."""
-    done = subprocess.run([sys.executable, "-c", "from engined.engine.llm import tiny_llama_dir; "
-                           "print(tiny_llama_dir(lambda phase, detail: None))"],
-                          cwd=ROOT, env=child_env(cache), capture_output=True, text=True,
-                          timeout=600)
+def build_checkpoint(cache: Path, name: str | None = None,
+                     dims: dict[str, Any] | None = None) -> Path:
+    """Build the tiny model into `cache` (untimed), exactly as an engine would on first use; with
+    `name` and `dims`, the same recipe at other dimensions (`engine.llm.recipe_dir`)."""
+    code = ("import json, sys; from engined.engine.llm import recipe_dir, tiny_llama_dir; "
+            "quiet = lambda phase, detail: None; "
+            "print(recipe_dir(sys.argv[1], json.loads(sys.argv[2]), quiet) if len(sys.argv) > 1 "
+            "else tiny_llama_dir(quiet))")
+    extra = [name, json.dumps(dims)] if name is not None else []
+    done = subprocess.run([sys.executable, "-c", code, *extra], cwd=ROOT, env=child_env(cache),
+                          capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
-        raise BenchError(f"building tiny-llama failed:\n{done.stderr}")
+        raise BenchError(f"building {name or 'tiny-llama'} failed:\n{done.stderr[-2000:]}")
     return Path(done.stdout.strip())
 
 

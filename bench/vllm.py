@@ -73,7 +73,7 @@ from bench.common import (
     without_engined_vars,
 )
 from bench.compare import engined_revision, free_port
-from bench.llm import build_checkpoint, child_env
+from bench.llm import build_checkpoint
 from tests.driver import process_gone, read_until, stream_lines
 
 MAX_TOKENS = (16, 64)  # the headline first; two values to fit cost per request and per token
@@ -93,11 +93,12 @@ PATH_LABELS = {
 # replaced at once), trials of the four paths in a rotating order.
 SUSTAINED_REQUESTS = {1: 48, 8: 192}
 SUSTAINED_REQUESTS_QUICK = {1: 12, 8: 48}
-# Section 1c: the same bursts on a heavier random model from tiny-llama's recipe (its tokenizer,
-# head_dim 64), whose decode step at 8 concurrent (~13 ms here) is that of a 7-8B model on one
-# GPU; tiny-llama's ~2.7 ms step is mostly vLLM's own per-step Python.
+# Sections 1c and 1d: a heavier random model from tiny-llama's recipe (its tokenizer, head_dim
+# 64), whose decode step at 8 concurrent (~12-15 ms here) is the order of a 7-13B model's on one
+# GPU; tiny-llama's ~2.5 ms step is mostly vLLM's own per-step Python.
 HEAVY_DIMS = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
               "num_attention_heads": 8, "num_key_value_heads": 4}
+HEAVY_NAME = "heavy-llama-" + "-".join(str(v) for v in HEAVY_DIMS.values())
 # its sustained load (section 1d), per trial: 12 cycles of 8 (a trial of 48 was a ±10 % noise)
 HEAVY_SUSTAINED_REQUESTS = {1: 12, 8: 96}
 HEAVY_SUSTAINED_REQUESTS_QUICK = {1: 4, 8: 16}
@@ -196,21 +197,6 @@ def serve_env() -> dict[str, str]:
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
                 "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1", **VLLM_ENV})
     return env
-
-
-def build_heavy_checkpoint(cache: Path) -> Path:
-    """HEAVY_DIMS through tiny-llama's recipe into `cache` (untimed; once per cache)."""
-    target = cache / ("heavy-llama-" + "-".join(str(v) for v in HEAVY_DIMS.values()))
-    if not (target / "config.json").exists():
-        code = ("import json, sys; from pathlib import Path; "
-                "from engined.engine.llm import save_llama_recipe; "
-                "save_llama_recipe(Path(sys.argv[1]), json.loads(sys.argv[2]))")
-        done = subprocess.run([sys.executable, "-c", code, str(target), json.dumps(HEAVY_DIMS)],
-                              cwd=ROOT, env=child_env(cache), capture_output=True, text=True,
-                              timeout=600)
-        if done.returncode != 0:
-            raise BenchError(f"building the heavier model failed:\n{done.stderr[-2000:]}")
-    return target
 
 
 # --- the daemon -----------------------------------------------------------------------------------
@@ -1151,7 +1137,7 @@ def heavy_overhead(python: str, cache: Path, scratch: Path, pythonpath: str, cle
     """Sections 1 and 1b again with HEAVY_DIMS: a direct worker, `vllm serve` and a daemon of
     their own, started once nothing else runs and stopped after."""
     tracker = cleanup.tracker
-    model = build_heavy_checkpoint(cache)
+    model = build_checkpoint(cache, HEAVY_NAME, HEAVY_DIMS)  # untimed; once per cache
     spec = {**engine_spec(python, cache), "model": {"path": str(model)}}
     worker = DirectWorker(python, spec, pythonpath, scratch / "direct-heavy.log", tracker)
     cleanup.started.append(worker)
@@ -1168,7 +1154,7 @@ def heavy_overhead(python: str, cache: Path, scratch: Path, pythonpath: str, cle
     return Heavy(bursts, sustained, dtypes, model.name)
 
 
-def heavy_step_ms(res: Results, c: int) -> float:
+def direct_step_ms(res: Results, c: int) -> float:
     """The direct path's time per token position at `c` concurrent, longest max_tokens."""
     m = MAX_TOKENS[-1]
     return 1000 * round_med(res[("direct", c, m)]) / m
@@ -1184,13 +1170,13 @@ def report_heavy(r: Report, heavy: Heavy, rounds: int, trials: int, sizes: dict[
         heading="## 1c. The same bursts at a realistic step time (a heavier random model)",
         preface=(f"tiny-llama's recipe (its tokenizer, random weights) at {dims} ({heavy.name}), "
                  f"everything else as in sections 1 and 1b. The direct step is "
-                 f"{heavy_step_ms(res, 1):.1f} ms at 1 concurrent and "
-                 f"{heavy_step_ms(res, 8):.1f} ms at 8 (tiny-llama: {tiny_step_ms:.1f} ms), "
+                 f"{direct_step_ms(res, 1):.1f} ms at 1 concurrent and "
+                 f"{direct_step_ms(res, 8):.1f} ms at 8 (tiny-llama: {tiny_step_ms:.1f} ms), "
                  f"the order of a 7-13B model's decode step on one data-center GPU (memory-bound: "
                  f"its weights' bytes over the memory bandwidth): engined's cost per request is "
                  f"what it was in section 1, the step it is compared with is four times "
                  f"longer.", ""))
-    out["step_ms"] = heavy_step_ms(res, 8)
+    out["step_ms"] = direct_step_ms(res, 8)
     out["sustained"] = report_sustained(
         r, heavy.sustained, trials, sizes,
         heading="## 1d. Sustained load on the heavier model (as section 1b)")
@@ -1215,7 +1201,7 @@ def report_overhead(r: Report, res: Results, rounds: int, dtypes: dict[str, str]
                 counts_exact &= all(t == m for t in toks)
                 rm = round_med(rs)
                 r(f"| {c} | {m} | {PATH_LABELS[path]} | {c / rm:.1f} | "
-                  f"{statistics.median(sum(s.tokens) / s.elapsed_s for s in rs):.0f} | "
+                  f"{statistics.median(tokens_per_s(s) for s in rs):.0f} | "
                   f"{ms(rm)} | {ms(pct(lats, 0.5))} | {ms(pct(lats, 0.95))} | "
                   f"{statistics.mean(toks):.1f} | {len(rs)} |")
     finishes = sorted({f for rs in res.values() for s in rs for f in s.finish})
@@ -1301,7 +1287,7 @@ def report_sustained(r: Report, res: Results, trials: int, sizes: dict[int, int]
     for c in CONCURRENCY:
         for m in MAX_TOKENS:
             def rate(path: str, c: int = c, m: int = m) -> float:
-                return statistics.median(sum(t.tokens) / t.elapsed_s for t in res[(path, c, m)])
+                return statistics.median(tokens_per_s(t) for t in res[(path, c, m)])
 
             def p50(path: str, c: int = c, m: int = m) -> float:
                 return pct([x for t in res[(path, c, m)] for x in t.latencies_s], 0.5)
@@ -1622,8 +1608,9 @@ def report_summary(r: Report, over: dict | None, crash: dict[str, float] | None,
 
 def report_backend_summary(r: Report, over: dict, crash: dict[str, float], freezes: list[dict],
                            serve_freeze_: dict | None) -> None:
-    heavy = over.get("heavy") or {"verdicts": {}, "sustained": {}, "step_ms": 0.0}
-    models = ((over, "tiny-llama"), (heavy, f"heavier model ({heavy['step_ms']:.1f} ms steps)"))
+    models = [(over, "tiny-llama")]
+    if (heavy := over.get("heavy")) is not None:
+        models.append((heavy, f"heavier model ({heavy['step_ms']:.1f} ms steps)"))
     for section, model in models:
         for (path, m), loss in sorted(section["sustained"].items(),
                                       key=lambda kv: (kv[0][1], kv[0][0])):
@@ -1799,7 +1786,7 @@ def main(argv: list[str] | None = None) -> int:
         over["sustained"] = report_sustained(r, sustained, trials, sizes)
         if heavy is not None:
             over["heavy"] = report_heavy(r, heavy, heavy_rounds, heavy_trials, heavy_sizes,
-                                         heavy_step_ms(bursts, 8))
+                                         direct_step_ms(bursts, 8))
         crash = report_crash(r, crashes, serves)
         serve_freeze_ = serves[0].get("freeze") if serves else None
         report_freeze(r, freezes, serve_freeze_, HEARTBEATS["heartbeat_timeout"])

@@ -61,14 +61,20 @@ def cache_root() -> Path:
 
 def tiny_llama_dir(progress: ProgressFn) -> Path:
     """The tiny model's checkpoint directory, built on first use (atomically: replicas race)."""
-    target = cache_root() / f"tiny-llama-{TINY_LLAMA_VERSION}"
+    return recipe_dir(f"tiny-llama-{TINY_LLAMA_VERSION}", TINY_LLAMA_DIMS, progress)
+
+
+def recipe_dir(name: str, dims: dict[str, Any], progress: ProgressFn) -> Path:
+    """`name` in the cache: the recipe at `dims`, built on first use, atomically (replicas
+    race, and a build cut short must not look finished)."""
+    target = cache_root() / name
     if (target / "config.json").exists():
         return target
-    progress("build", f"creating tiny-llama checkpoint in {target}")
+    progress("build", f"creating the {name} checkpoint in {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        save_llama_recipe(staging)
+        save_llama_recipe(staging, dims)
         os.rename(staging, target)  # atomic; fails if another replica won the race
     except OSError:
         if not (target / "config.json").exists():
@@ -84,8 +90,8 @@ TINY_LLAMA_DIMS: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512,
                                    "num_key_value_heads": 2}
 
 
-def save_llama_recipe(directory: Path, dims: dict[str, Any] | None = None) -> None:
-    """The recipe: a byte-level tokenizer, random weights of `dims` (tiny-llama's by default)."""
+def save_llama_recipe(directory: Path, dims: dict[str, Any]) -> None:
+    """The recipe: a byte-level tokenizer, random weights of a Llama of `dims`."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -99,7 +105,7 @@ def save_llama_recipe(directory: Path, dims: dict[str, Any] | None = None) -> No
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
                                         bos_token="<s>", eos_token="</s>")
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    config = LlamaConfig(vocab_size=len(vocab), **(dims or TINY_LLAMA_DIMS),
+    config = LlamaConfig(vocab_size=len(vocab), **dims,
                          max_position_embeddings=2048, pad_token_id=0, bos_token_id=1,
                          eos_token_id=2, tie_word_embeddings=False,
                          initializer_range=0.2)  # wide enough that greedy output varies
