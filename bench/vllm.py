@@ -541,7 +541,7 @@ class VllmServe:
                  args: list[str] = SERVE_ARGS) -> None:
         self.python, self.model, self.tracker = python, model, tracker
         self.port = free_port()
-        self.scratch = scratch
+        self.scratch, self.k = scratch, k
         self.log_path = scratch / f"serve-{k}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.seen: dict[int, psutil.Process] = {}
@@ -550,9 +550,14 @@ class VllmServe:
 
     def start(self) -> float:
         """Returns the time.time() right before the spawn."""
+        # its own TMPDIR in the bench's scratch dir: the ipc:// sockets and FileStore a killed
+        # server leaves go with the scratch dir (engined does the same for its engines)
+        tmpdir = self.scratch / f"tmp-{self.k}"
+        tmpdir.mkdir(exist_ok=True)
         with open(self.log_path, "wb") as log:
             t0 = time.time()
-            self.proc = subprocess.Popen(self.argv, cwd=self.scratch, env=serve_env(),
+            self.proc = subprocess.Popen(self.argv, cwd=self.scratch,
+                                         env={**serve_env(), "TMPDIR": str(tmpdir)},
                                          stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         self.tracker.add(self.proc.pid)

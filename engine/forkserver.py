@@ -38,6 +38,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from typing import Any, NoReturn
 
@@ -233,6 +234,7 @@ def become_engine(request: dict[str, Any], daemon: int) -> NoReturn:
     env: dict[str, str] = request["env"]
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # found again from this child's TMPDIR (its own: supervisor/scratch)
     libc = ctypes.CDLL(None, use_errno=True)
     name = str(request.get("name", "engine"))[:15].encode()
     libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)

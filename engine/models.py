@@ -14,6 +14,8 @@ chaos runs come from the child's environment (set through the spec's `env`):
 * ENGINED_ECHO_CLOSE_S=SECONDS — take this long to free the "model" in the child's cleanup
 * ENGINED_ECHO_SPAWN=child,setsid — start sleeping descendants at build and never stop them
   (`setsid`: one that leaves the engine's process group), as engines with workers do
+* ENGINED_ECHO_TEMPFILE=1      — leave a file in the temporary directory at build, never removed
+  (as vLLM's FileStore stays there after a kill)
 * prompts `!stall` and `!raise` inject faults (see engine.core); for other models set
   ENGINED_FAULT_INJECTION=1 to enable them.
 """
@@ -93,6 +95,10 @@ class EchoBackend:
         if fail == "config":
             raise EngineConfigError("echo config rejected (ENGINED_ECHO_FAIL=config)")
         _spawn_descendants(os.environ.get("ENGINED_ECHO_SPAWN", ""))
+        if os.environ.get("ENGINED_ECHO_TEMPFILE") == "1":
+            import tempfile
+            fd, _ = tempfile.mkstemp(prefix="echo_")
+            os.close(fd)
         progress("warmup", "")
         return cls(float(os.environ.get("ENGINED_ECHO_TOKEN_MS", "0")) / 1000.0)
 

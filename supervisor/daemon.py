@@ -28,7 +28,7 @@ from engined.engine.contract import (
     REQUEST_SOCKET_NAME,
     set_process_title,
 )
-from engined.supervisor import __version__
+from engined.supervisor import __version__, scratch
 from engined.supervisor.clock import SystemClock
 from engined.supervisor.control import ControlContext, make_app
 from engined.supervisor.events import transition
@@ -129,6 +129,7 @@ class Daemon:
                  "%d", old_soft, soft, hard, old_soft)
         become_subreaper()
         self.reaper.install(loop)
+        await asyncio.to_thread(scratch.sweep_stale)
         self._start_guard()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.dispatch, DaemonCommand.SHUTDOWN)
@@ -373,6 +374,7 @@ class Daemon:
         if self.launcher is not None:
             await self.launcher.close()
         await self.guard.close()
+        await asyncio.to_thread(scratch.remove_root)
         await self.probes.close()
         if self.gateway is not None:
             await self.gateway.relay.upstream.close()

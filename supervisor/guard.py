@@ -1,5 +1,5 @@
-"""`python -m engined.supervisor.guard DAEMON_PID`: outlives a SIGKILLed engined and kills every
-process that carries its mark (see engined.supervisor.reaper).
+"""`python -m engined.supervisor.guard DAEMON_PID [SCRATCH_ROOT]`: outlives a SIGKILLed engined
+and kills every process that carries its mark (see engined.supervisor.reaper).
 
 It reads stdin (a pipe whose write end only the daemon holds): the daemon tells it each child it
 spawns (`+PID`: a process-group leader) and each one that exits (`-PID`). EOF comes when the
@@ -7,13 +7,15 @@ daemon exits for any reason: a clean shutdown has stopped every engine already, 
 found; a SIGKILLed daemon leaves engines (which PR_SET_PDEATHSIG kills), the rest of their
 process groups (a server's engine core, which may have overwritten its environment, and so its
 mark, with a process title), and descendants that left the group (found by their mark). It kills
-until none is left, then exits.
+until none is left, removes the daemon's scratch root (its engines' TMPDIRs, see
+engined.supervisor.scratch), then exits.
 It imports only the standard library and the contract module: it starts in milliseconds.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -124,6 +126,8 @@ def main(argv: list[str]) -> int:
     if killed:
         print(f"engined guard: daemon {daemon} is gone; killed {len(killed)} leftover "
               f"process(es): {sorted(killed)}", file=sys.stderr, flush=True)
+    if len(argv) > 2:  # the daemon's scratch root: its engines' TMPDIRs
+        shutil.rmtree(argv[2], ignore_errors=True)
     return 0
 
 

@@ -27,6 +27,7 @@ from engined.engine.contract import (
     ENV_PARENT_PID,
 )
 from engined.engine.protocol import EngineConfig, encode_config
+from engined.supervisor import scratch
 from engined.supervisor.policy import ExitStatus
 from engined.supervisor.resources import FdBudget
 from engined.supervisor.spec import EngineSpec
@@ -97,7 +98,8 @@ class Launcher(Protocol):
 
 def child_environment(config: EngineConfig, extra: Mapping[str, str], pythonpath: str,
                       nofile: int | None = None) -> dict[str, str]:
-    """The child's environment: ours minus systemd plumbing, plus GPU pinning and thread bounds."""
+    """The child's environment: ours minus systemd plumbing, plus GPU pinning, thread bounds and
+    a TMPDIR of its own (`scratch`)."""
     env = {k: v for k, v in os.environ.items() if k not in _STRIPPED_ENV}
     threads = str(config.threads)
     env.update({
@@ -106,6 +108,7 @@ def child_environment(config: EngineConfig, extra: Mapping[str, str], pythonpath
         "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
     })
     env.update(extra)
+    env.update(scratch.environment(owner_token(config.name, config.incarnation), extra))
     # Set before the interpreter starts, so before any CUDA call. No GPUs: hide them all, so a
     # CPU engine can never initialise CUDA on GPU 0 by accident.
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in config.gpus)
@@ -121,11 +124,13 @@ def child_environment(config: EngineConfig, extra: Mapping[str, str], pythonpath
 
 def command_environment(spec: EngineSpec, incarnation: int, port: int | None) -> dict[str, str]:
     """A command engine's environment: ours minus systemd plumbing and engined's own variables,
-    plus the spec's env, GPU pinning, PORT, and the owner mark. None of the engine child's
-    knobs (thread bounds, offline flags, our PYTHONPATH): the server is not ours."""
+    plus the spec's env, GPU pinning, PORT, the owner mark and a TMPDIR of its own. None of the
+    engine child's knobs (thread bounds, offline flags, our PYTHONPATH): the server is not
+    ours."""
     env = {k: v for k, v in os.environ.items()
            if k not in _STRIPPED_ENV and not k.startswith("ENGINED_")}
     env.update(spec.env)
+    env.update(scratch.environment(owner_token(spec.name, incarnation), dict(spec.env)))
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     if port is not None:

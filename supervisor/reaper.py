@@ -9,7 +9,7 @@ parent keep the GPUs). engined therefore
   (a waitpid(-1) would steal the engines' own exit statuses, which their pidfd watchers read);
 * finds what an incarnation left behind by the mark every process it started inherits
   (ENGINED_OWNER=<daemon pid>/<engine>/<incarnation>, in /proc/PID/environ) and kills it before
-  the replacement spawns;
+  the replacement spawns, and removes its TMPDIR (`scratch`: the files it left there);
 * runs a guard (`engined.supervisor.guard`) that outlives a SIGKILLed daemon and kills whatever
   carries the daemon's mark (PR_SET_PDEATHSIG covers only the direct children).
 
@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Callable
 
+from engined.supervisor import scratch
 from engined.supervisor.guard import marked_processes
 from engined.supervisor.launcher import ChildWatcher, ExitRecord
 
@@ -103,6 +104,7 @@ class Reaper:
             except ProcessLookupError:
                 pass
         if not pids:
+            await self._remove_scratch(engine, incarnation, token)
             return []
         self.killed_total += len(pids)
         log.warning("[leftover] %s incarnation %d left %d process(es) behind: killed %s",
@@ -112,7 +114,14 @@ class Reaper:
             self.reap_orphans()
             await asyncio.sleep(0.01)
         self.reap_orphans()
+        await self._remove_scratch(engine, incarnation, token)
         return pids
+
+    async def _remove_scratch(self, engine: str, incarnation: int, token: str) -> None:
+        left = await asyncio.to_thread(scratch.remove, token)
+        if left:
+            log.info("[leftover] %s incarnation %d left %d file(s) in its TMPDIR: removed",
+                     engine, incarnation, left)
 
 
 class Guard:
@@ -145,7 +154,7 @@ class Guard:
 
     def start(self) -> int:
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
-        argv = [sys.executable, "-m", GUARD_MODULE, str(os.getpid())]
+        argv = [sys.executable, "-m", GUARD_MODULE, str(os.getpid()), str(scratch.root())]
         try:
             pid = os.posix_spawn(argv[0], argv, dict(os.environ), setsid=True,
                                  file_actions=[(os.POSIX_SPAWN_DUP2, read_fd, 0),

@@ -41,15 +41,17 @@ def short_tmp() -> Iterator[Path]:
 
 @pytest.fixture
 def engined(short_tmp: Path) -> Iterator[Callable[..., Daemon]]:
-    """Factory: engined(engines=[...], supervisor={...}, defaults={...}, ready=True) -> Daemon."""
+    """Factory: engined(engines=[...], supervisor={...}, defaults={...}, ready=True, env={...})
+    -> Daemon (`env`: changes to the daemon's environment, as `Daemon` takes them)."""
     daemons: list[Daemon] = []
 
     def start(engines: list[dict[str, Any]] | None = None,
               supervisor: dict[str, Any] | None = None,
-              defaults: dict[str, Any] | None = None, ready: bool = True) -> Daemon:
+              defaults: dict[str, Any] | None = None, ready: bool = True,
+              env: dict[str, str | None] | None = None) -> Daemon:
         root = short_tmp / f"d{len(daemons)}"
         root.mkdir()
-        daemon = Daemon(root, build_spec(root, engines, supervisor, defaults))
+        daemon = Daemon(root, build_spec(root, engines, supervisor, defaults), env)
         daemons.append(daemon)
         daemon.start()
         if ready:

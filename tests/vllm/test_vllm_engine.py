@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,6 +119,11 @@ def _cleanup_line(log: str, name: str, incarnation: int) -> str:
     match = re.search(rf"^\[cleanup\] {name} incarnation {incarnation} reason=.*$", log, re.M)
     assert match, log[-4000:]
     return match.group(0)
+
+
+def _scratch(d: Daemon) -> Path:
+    """The daemon's root of its engines' TMPDIRs (engined.supervisor.scratch)."""
+    return Path(tempfile.gettempdir()) / f"engined-scratch-{d.pid}"
 
 
 def _descendants(pid: int) -> list[int]:
@@ -234,9 +240,13 @@ def test_enginectl_stream_prints_what_generate_returns(ready_fleet: Daemon):
 def test_sigkill_restarts_with_a_new_pid(ready_fleet: Daemon):
     d = ready_fleet
     old = d.engine("vllm-1")
+    # vLLM's FileStore rendezvous file, in the incarnation's own TMPDIR; a kill leaves it
+    old_tmp = _scratch(d) / f"vllm-1.{old['incarnation']}"
+    assert list(old_tmp.glob("vllm_dist_*")), sorted(_scratch(d).rglob("*"))
     os.kill(old["pid"], signal.SIGKILL)
     new = d.wait_restarted("vllm-1", old["pid"], READY_TIMEOUT_S)
     assert process_gone(old["pid"])
+    assert not old_tmp.exists(), sorted(_scratch(d).rglob("*"))  # removed by engined
     assert new["incarnation"] == old["incarnation"] + 1, new
     assert new["last_exit"]["signal"] == "SIGKILL", new["last_exit"]
     assert new["device"] == "cpu" and new["startup_s"] > 0, new
@@ -343,6 +353,7 @@ def test_daemon_sigterm_runs_every_vllm_cleanup_and_leaves_nothing(ready_fleet: 
         time.sleep(0.05)
     assert not left, f"still running after the daemon's exit: {left}"
     assert wait_engines_gone(d.spawned_pids(), d.pid, ORPHAN_GRACE_S) == []
+    assert not _scratch(d).exists(), sorted(_scratch(d).rglob("*"))
     for name, e in engines.items():
         line = _cleanup_line(d.log_text(name), name, e["incarnation"])
         assert "reason=signal SIGTERM" in line, line

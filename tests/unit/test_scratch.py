@@ -1,0 +1,46 @@
+"""supervisor.scratch on its own: where an incarnation's TMPDIR is, and when there is none."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engined.supervisor import scratch
+
+
+@pytest.fixture
+def tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    base = Path(tempfile.mkdtemp(prefix="s", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    yield base
+    scratch.remove_root(1234)
+    base.rmdir()
+
+
+def test_an_incarnation_dir_is_named_after_it_and_made_on_demand(tmp: Path):
+    env = scratch.environment("1234/vllm-0/3", {"FOO": "1"})
+    path = tmp / "engined-scratch-1234" / "vllm-0.3"
+    assert env["TMPDIR"] == str(path) and path.is_dir()
+    assert (path.stat().st_mode & 0o777) == 0o700
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp / "torchinductor_"))
+    (path / "vllm_dist_x").write_text("")
+    assert scratch.remove("1234/vllm-0/3") == 1 and not path.exists()
+    assert scratch.remove("1234/vllm-0/3") == 0  # gone already: nothing to do
+
+
+def test_a_long_name_gets_a_short_unique_dir_that_fits_a_socket_path(tmp: Path):
+    long = "a" * 60
+    first = scratch.incarnation_dir(f"1234/{long}-0/1")
+    second = scratch.incarnation_dir(f"1234/{long}-1/1")
+    assert first != second and first.parent == second.parent == tmp / "engined-scratch-1234"
+    assert len(str(first)) <= 64 and len(str(first / ("0" * 36))) < 108  # + a uuid4
+
+
+def test_a_tmpdir_or_cache_of_the_spec_is_kept(tmp: Path):
+    assert scratch.environment("1234/web-0/1", {"TMPDIR": "/srv/tmp"}) == {}
+    env = scratch.environment("1234/web-0/2", {"TORCHINDUCTOR_CACHE_DIR": "/srv/cache"})
+    assert set(env) == {"TMPDIR"}
+    assert not (tmp / "engined-scratch-1234" / "web-0.1").exists()
