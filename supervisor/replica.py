@@ -25,6 +25,7 @@ from typing import Any, Callable, Protocol
 
 from engined.engine import protocol as proto
 from engined.engine.contract import CONFIG_LINE_PREFIX, EXIT_CONFIG
+from engined.supervisor import scratch
 from engined.supervisor.clock import Clock, to_wall
 from engined.supervisor.launcher import Child, ExitRecord, Launcher, owner_token, pick_port
 from engined.supervisor.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, LogSink, PipeReader
@@ -338,6 +339,7 @@ class Replica:
         except OSError as exc:
             self._early, self._watching, command = [], False, self._command
             self._command = None
+            scratch.remove(owner_token(self.name, self.incarnation + 1))  # made for it: unused
             self._spawn_failed(exc)
             if self.desired is Desired.STOPPED and command is not None:
                 self._set_state(EngineState.STOPPED)  # asked to stop meanwhile: it is

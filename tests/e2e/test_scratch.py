@@ -103,3 +103,20 @@ def test_the_guard_removes_a_killed_daemons_root_and_a_new_daemon_sweeps_stale_o
     d.signal(signal.SIGKILL)
     d.wait_exit()
     d.wait_for(lambda: not root.exists(), 10, f"the guard to remove {root}")
+
+
+def test_a_spawn_that_fails_leaves_no_directory(engined, short_tmp):
+    tmp, python = short_tmp / "t", short_tmp / "py"
+    tmp.mkdir()
+    python.write_text(f'#!/bin/sh\nexec {PYTHON} "$@"\n')  # this venv's, by another path
+    python.chmod(0o755)
+    d = engined([{"name": "echo", "model": "builtin:echo", "python": str(python),
+                  "launcher": "exec"}], env={"TMPDIR": str(tmp)})
+    root = tmp / f"engined-scratch-{d.pid}"
+    old = d.engine("echo-0")
+    assert (root / "echo-0.1").is_dir()
+    python.unlink()  # the interpreter is gone: the next spawns fail (ENOENT)
+    os.kill(old["pid"], signal.SIGKILL)
+    d.wait_for(lambda: (d.engine("echo-0")["last_exit"] or {}).get("reason") == "spawn_error",
+               30, "a spawn_error")
+    assert sorted(p.name for p in root.iterdir()) == [], sorted(root.rglob("*"))
