@@ -193,7 +193,8 @@ class Direct:
         self.channels = EngineChannels(str(self.dir), self._on_message)
         self.channels.start()
         pythonpath = expose_engine_package(self.dir / "python")
-        extra = {"ENGINED_CACHE_DIR": str(self.cache)}
+        # TMPDIR: the scratch dir, in place of the TMPDIR of its own a daemon would make
+        extra = {"ENGINED_CACHE_DIR": str(self.cache), "TMPDIR": str(self.dir)}
         for name, model in models.items():
             config = EngineConfig(
                 name=name, group=name, rank=0, replicas=1, incarnation=1, model=model,

@@ -168,10 +168,11 @@ def direct_config(spec: dict[str, Any]) -> dict[str, Any]:
             "engine_args": dict(spec.get("engine_args") or {})}
 
 
-def direct_env(spec: dict[str, Any], pythonpath: str) -> dict[str, str]:
+def direct_env(spec: dict[str, Any], pythonpath: str, tmpdir: Path) -> dict[str, str]:
     """An engine child's environment as engined's exec launcher builds it
     (`launcher.child_environment`: thread bounds, offline, no GPU, the spec's env, the engine
-    package on PYTHONPATH), minus the marks that make a process one of a daemon's engines."""
+    package on PYTHONPATH), minus the marks that make a process one of a daemon's engines, with
+    `tmpdir` (the bench's scratch dir) for the TMPDIR of its own a daemon would make."""
     from engined.engine.protocol import EngineConfig
     from engined.supervisor.launcher import child_environment
 
@@ -180,7 +181,8 @@ def direct_env(spec: dict[str, Any], pythonpath: str) -> dict[str, str]:
     try:
         os.environ.clear()
         os.environ.update(base)
-        env = child_environment(EngineConfig(**direct_config(spec)), spec["env"], pythonpath)
+        env = child_environment(EngineConfig(**direct_config(spec)),
+                                {**spec["env"], "TMPDIR": str(tmpdir)}, pythonpath)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -350,8 +352,8 @@ class DirectWorker:
         self.log_path = log
         self.proc = subprocess.Popen(
             [python, "-m", "bench.vllm_direct", json.dumps(direct_config(spec))], cwd=ROOT,
-            env=direct_env(spec, pythonpath), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self.log, text=True)
+            env=direct_env(spec, pythonpath, log.parent), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.log, text=True)
         tracker.add(self.proc.pid)
         assert self.proc.stdout is not None
         self.lines = stream_lines(self.proc.stdout)
