@@ -59,8 +59,9 @@ def _default_inductor_cache() -> str | None:
 
 
 def environment(token: str, env: Mapping[str, str]) -> dict[str, str]:
-    """The variables to add to `env` (a child's environment) for its own TMPDIR; nothing if it
-    sets TMPDIR itself. Creates the directory."""
+    """The variables to add for a child's own TMPDIR, `env` being its spec's env: nothing if
+    that sets TMPDIR. Creates the directory. The inductor cache is left alone where the spec or
+    the daemon's own environment (which the child inherits) sets it."""
     if "TMPDIR" in env:
         return {}
     path = incarnation_dir(token)
@@ -68,7 +69,7 @@ def environment(token: str, env: Mapping[str, str]) -> dict[str, str]:
     path.mkdir(mode=0o700, exist_ok=True)
     extra = {"TMPDIR": str(path)}
     cache = _default_inductor_cache()
-    if cache is not None and "TORCHINDUCTOR_CACHE_DIR" not in env:
+    if cache is not None and "TORCHINDUCTOR_CACHE_DIR" not in {**os.environ, **env}:
         extra["TORCHINDUCTOR_CACHE_DIR"] = cache
     return extra
 

@@ -13,6 +13,7 @@ from engined.supervisor import scratch
 
 @pytest.fixture
 def tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     base = Path(tempfile.mkdtemp(prefix="s", dir="/tmp"))
     monkeypatch.setattr(tempfile, "tempdir", str(base))
     yield base
@@ -39,8 +40,11 @@ def test_a_long_name_gets_a_short_unique_dir_that_fits_a_socket_path(tmp: Path):
     assert len(str(first)) <= 64 and len(str(first / ("0" * 36))) < 108  # + a uuid4
 
 
-def test_a_tmpdir_or_cache_of_the_spec_is_kept(tmp: Path):
+def test_a_tmpdir_or_cache_of_the_spec_or_the_daemon_is_kept(tmp: Path,
+                                                             monkeypatch: pytest.MonkeyPatch):
     assert scratch.environment("1234/web-0/1", {"TMPDIR": "/srv/tmp"}) == {}
     env = scratch.environment("1234/web-0/2", {"TORCHINDUCTOR_CACHE_DIR": "/srv/cache"})
     assert set(env) == {"TMPDIR"}
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/srv/daemon-cache")  # the child inherits it
+    assert set(scratch.environment("1234/web-0/3", {})) == {"TMPDIR"}
     assert not (tmp / "engined-scratch-1234" / "web-0.1").exists()
