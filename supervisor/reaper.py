@@ -103,18 +103,16 @@ class Reaper:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if not pids:
-            await self._remove_scratch(engine, incarnation, token)
-            return []
-        self.killed_total += len(pids)
-        log.warning("[leftover] %s incarnation %d left %d process(es) behind: killed %s",
-                    engine, incarnation, len(pids), pids)
-        deadline = time.monotonic() + LEFTOVER_WAIT_S
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        if pids:
+            self.killed_total += len(pids)
+            log.warning("[leftover] %s incarnation %d left %d process(es) behind: killed %s",
+                        engine, incarnation, len(pids), pids)
+            deadline = time.monotonic() + LEFTOVER_WAIT_S
+            while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+                self.reap_orphans()
+                await asyncio.sleep(0.01)
             self.reap_orphans()
-            await asyncio.sleep(0.01)
-        self.reap_orphans()
-        await self._remove_scratch(engine, incarnation, token)
+        await self._remove_scratch(engine, incarnation, token)  # its processes are gone
         return pids
 
     async def _remove_scratch(self, engine: str, incarnation: int, token: str) -> None:

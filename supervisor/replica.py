@@ -323,23 +323,23 @@ class Replica:
         if self._pending_reason is not None:  # counted per attempt, whether it spawns or not
             self.record.restarts[self._pending_reason] += 1
             self._pending_reason = None
-        self._spawning, self._early = (self.name, self.incarnation + 1), []
+        incarnation = self.incarnation + 1  # the one this attempt starts
+        self._spawning, self._early = (self.name, incarnation), []
         # A fork-server spawn takes a round trip: meanwhile this replica counts as running (not
         # settled; a stop, restart or a peer's stop is held as a command for the new child)
         self._watching = True
         try:
             if self.spec.is_command:
                 port = pick_port(self.spec)
-                child = self.deps.launcher.spawn_command(self.spec, self.incarnation + 1, port)
+                child = self.deps.launcher.spawn_command(self.spec, incarnation, port)
                 self.port = port
             else:
                 child = await self.deps.launcher.spawn(
-                    self._child_config(self.incarnation + 1), dict(self.spec.env),
-                    self.spec.launcher)
+                    self._child_config(incarnation), dict(self.spec.env), self.spec.launcher)
         except OSError as exc:
             self._early, self._watching, command = [], False, self._command
             self._command = None
-            scratch.remove(owner_token(self.name, self.incarnation + 1))  # made for it: unused
+            scratch.remove(owner_token(self.name, incarnation))  # made for it: unused
             self._spawn_failed(exc)
             if self.desired is Desired.STOPPED and command is not None:
                 self._set_state(EngineState.STOPPED)  # asked to stop meanwhile: it is
@@ -349,7 +349,7 @@ class Replica:
             raise
         finally:
             self._spawning = None
-        self.incarnation += 1
+        self.incarnation = incarnation
         self.child = child
         self.address = (self.name, self.incarnation)
         self._token = owner_token(self.name, self.incarnation)
