@@ -8,13 +8,15 @@
    greedy, through the control socket's `POST /v1/generate` and through the OpenAI gateway's
    `/v1/completions` (plain HTTP), against the same LLMEngine driven directly in one process
    (bench/vllm_direct.py: built by the engine child's own `build_vllm_backend`, then
-   `add_request` + `step()`), and against the peer: `vllm serve` (its OpenAI server over the
-   same model and engine arguments). Bursts (1 or 8 requests sent at once, the round timed to
-   the last answer; paths alternate round by round): requests/s, tokens/s, latency p50/p95,
-   overhead, and the fixed cost per request and per token fitted from the two max_tokens
-   values. Sustained load (1b: 1 or 8 requests always in flight, each client sending its next
-   request when its last one is answered; the direct worker replaces a finished request before
-   its next step): throughput and latency per path.
+   `add_request` + `step()`), against the floor (that same LLMEngine, in that process, behind
+   the smallest HTTP server one could write for it: what any server costs, so that engined
+   against it is what engined itself adds), and against the peer: `vllm serve` (its OpenAI
+   server over the same model and engine arguments). Bursts (1 or 8 requests sent at once, the
+   round timed to the last answer; paths alternate round by round): requests/s, tokens/s,
+   latency p50/p95, overhead, and the fixed cost per request and per token fitted from the two
+   max_tokens values. Sustained load (1b: 1 or 8 requests always in flight, each client
+   sending its next request when its last one is answered; the direct worker replaces a
+   finished request before its next step): throughput and latency per path.
 2. Crash → READY: SIGKILL of the engine child, started by exec (`launcher: exec`, pinned: a cold
    interpreter per restart; engined's default, the fork server, is measured against exec by
    bench/recovery.py) → READY again (the daemon's own `since`) against a cold start of `vllm
@@ -81,16 +83,17 @@ CONCURRENCY = (1, 8)
 PROMPTS = [f"vllm benchmark prompt {i}: the quick brown fox" for i in range(8)]  # equal lengths
 OVERHEAD_TARGET_PCT = 5.0  # the issue's target at 8 concurrent requests
 WARMUP_ROUNDS = 2
-PATHS = ("direct", "control", "gateway", "serve")
+PATHS = ("direct", "floor", "control", "gateway", "serve")
 ENGINED_PATHS = ("control", "gateway")  # the target is theirs; `serve` is the peer
 PATH_LABELS = {
     "direct": "direct `LLMEngine` (add_request + step, one process)",
+    "floor": "floor: the same `LLMEngine` behind a minimal HTTP server in its process",
     "control": "engined: control socket `POST /v1/generate`",
     "gateway": "engined: gateway `POST /v1/completions`",
     "serve": "peer: `vllm serve` `POST /v1/completions`",
 }
 # Sustained load: this many requests per trial at each concurrency (a finished request is
-# replaced at once), trials of the four paths in a rotating order.
+# replaced at once), trials of the five paths in a rotating order.
 SUSTAINED_REQUESTS = {1: 48, 8: 192}
 SUSTAINED_REQUESTS_QUICK = {1: 12, 8: 48}
 # Sections 1c and 1d: a heavier random model from tiny-llama's recipe (its tokenizer, head_dim
@@ -413,16 +416,18 @@ async def burst(one: OneRequest, prompts: list[str], max_tokens: int) -> Round:
     return answers_round(time.perf_counter() - started, list(answers))
 
 
-async def control_one(session: Any, prompt: str, max_tokens: int) -> Answer:
-    """One `POST /v1/generate`: (latency, tokens, finish reason, its life in the engine child)."""
+async def control_one(session: Any, prompt: str, max_tokens: int,
+                      url: str = "http://engined/v1/generate") -> Answer:
+    """One `POST /v1/generate` (engined's control socket, or the floor's port): (latency, tokens,
+    finish reason, its life in the engine child: NaN from the floor, which has no child)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "engine": ENGINE}
     started = time.perf_counter()
-    async with session.post("http://engined/v1/generate", json=body) as resp:
+    async with session.post(url, json=body) as resp:
         data = await resp.json()
         if resp.status != 200:
             raise BenchError(f"POST /v1/generate: HTTP {resp.status}: {data}")
     return (time.perf_counter() - started, data["completion_tokens"], data["finish_reason"],
-            data["queue_s"] + data["compute_s"])
+            data.get("queue_s", float("nan")) + data.get("compute_s", float("nan")))
 
 
 async def completion_one(session: Any, port: int, model: str, prompt: str, max_tokens: int
@@ -458,8 +463,9 @@ Results = dict[tuple[str, int, int], list[Round]]  # (path, concurrency, max_tok
 
 async def overhead(daemon: Daemon, worker: DirectWorker, serve: VllmServe, rounds: int,
                    trials: int, sizes: dict[int, int]) -> tuple[Results, Results]:
-    """Bursts, then sustained load: every (max_tokens, concurrency) in turn, its four paths in a
-    rotating order (engined's two, the same LLMEngine direct, `vllm serve` as the peer)."""
+    """Bursts, then sustained load: every (max_tokens, concurrency) in turn, its five paths in a
+    rotating order (engined's two, the same LLMEngine direct and behind the floor's minimal
+    server, `vllm serve` as the peer)."""
     import aiohttp
 
     bursts: Results = {(p, c, m): [] for p in PATHS for c in CONCURRENCY for m in MAX_TOKENS}
@@ -469,8 +475,11 @@ async def overhead(daemon: Daemon, worker: DirectWorker, serve: VllmServe, round
     async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=daemon.socket),
                                      timeout=timeout) as control, \
             aiohttp.ClientSession(timeout=timeout) as gateway, \
-            aiohttp.ClientSession(timeout=timeout) as peer:
+            aiohttp.ClientSession(timeout=timeout) as peer, \
+            aiohttp.ClientSession(timeout=timeout) as floor:
+        floor_url = f"http://127.0.0.1:{worker.info['floor_port']}/v1/generate"
         ones: dict[str, OneRequest] = {
+            "floor": lambda prompt, m: control_one(floor, prompt, m, floor_url),
             "control": lambda prompt, m: control_one(control, prompt, m),
             "gateway": lambda prompt, m: completion_one(gateway, daemon.gateway_port, GROUP,
                                                         prompt, m),
@@ -1098,12 +1107,13 @@ def round_min(rounds: list[Round]) -> float:
 
 
 def paired_pct(res: Results, path: str, c: int, m: int,
-               value: Callable[[Round], float] = lambda x: x.elapsed_s) -> float:
-    """The median over rounds (or trials) of `path`'s value over direct's in the same round,
+               value: Callable[[Round], float] = lambda x: x.elapsed_s,
+               base: str = "direct") -> float:
+    """The median over rounds (or trials) of `path`'s value over `base`'s in the same round,
     in %: the paths of a round run back to back, so a slower box for a minute (this VM's speed
     drifts by tens of percent) cancels out, which medians taken apart do not."""
-    pairs = zip(res[(path, c, m)], res[("direct", c, m)], strict=True)
-    return 100 * (statistics.median(value(mine) / value(direct) for mine, direct in pairs) - 1)
+    pairs = zip(res[(path, c, m)], res[(base, c, m)], strict=True)
+    return 100 * (statistics.median(value(mine) / value(other) for mine, other in pairs) - 1)
 
 
 def tokens_per_s(x: Round) -> float:
@@ -1223,8 +1233,9 @@ def report_overhead(r: Report, res: Results, rounds: int, dtypes: dict[str, str]
              "same, medians taken apart", "same, fastest rounds (min vs min)",
              "latency p50 vs direct",
              "outside the engine child (round − slowest request's life in the child)",
+             "engined's own cost: round time vs the floor's in the same round",
              f"target at 8 (< {OVERHEAD_TARGET_PCT:g} %, paired)"))
-    verdicts = {}
+    verdicts, over_floor = {}, {}
     for c in CONCURRENCY:
         for m in MAX_TOKENS:
             direct_p50 = pct([x for s in res[("direct", c, m)] for x in s.latencies_s], 0.5)
@@ -1234,14 +1245,18 @@ def report_overhead(r: Report, res: Results, rounds: int, dtypes: dict[str, str]
                 p50 = pct([x for s in rs for x in s.latencies_s], 0.5)
                 outside = (ms(statistics.median(s.elapsed_s - s.engine_s for s in rs))
                            if path == "control" else "–")
-                target = "–"
-                if c == 8 and path in ENGINED_PATHS:
-                    verdicts[(path, m)] = over
-                    target = "PASS" if over < OVERHEAD_TARGET_PCT else "MISS"
+                target = vs_floor = "–"
+                if path in ENGINED_PATHS:
+                    own = paired_pct(res, path, c, m, base="floor")
+                    vs_floor = signed_pct(own)
+                    if c == 8:
+                        verdicts[(path, m)], over_floor[(path, m)] = over, own
+                        target = "PASS" if over < OVERHEAD_TARGET_PCT else "MISS"
                 r(f"| {c} | {m} | {PATH_LABELS[path].removeprefix('engined: ')} | "
                   f"{signed_pct(over)} | {signed_pct(overhead_pct(res, path, c, m))} | "
                   f"{signed_pct(overhead_pct(res, path, c, m, True))} | "
-                  f"{signed_pct(100 * (p50 / direct_p50 - 1))} | {outside} | {target} |")
+                  f"{signed_pct(100 * (p50 / direct_p50 - 1))} | {outside} | {vs_floor} | "
+                  f"{target} |")
 
     r("", *table("path", "concurrency", f"Δ round time at {MAX_TOKENS[0]} tokens (medians)",
                  f"Δ at {MAX_TOKENS[1]} tokens", "fixed cost per request", "cost per token",
@@ -1258,16 +1273,21 @@ def report_overhead(r: Report, res: Results, rounds: int, dtypes: dict[str, str]
     if preface:  # section 1c: section 1's method
         r("", f"Rounds as in section 1: {WARMUP_ROUNDS} warm-up rounds dropped, {rounds} "
           f"measured.", "")
-        return {"verdicts": verdicts, "fits": fits}
-    r("", f"Rounds: every (max_tokens, concurrency) in turn, its four paths in a rotating order; "
+        return {"verdicts": verdicts, "fits": fits, "floor": over_floor}
+    r("", f"Rounds: every (max_tokens, concurrency) in turn, its five paths in a rotating order; "
       f"{WARMUP_ROUNDS} warm-up rounds dropped, {rounds} measured. A round is `concurrency` "
       f"requests sent at once (aiohttp: one keep-alive session on the control socket, one on "
-      f"the gateway's TCP port, one on `vllm serve`'s), timed from the first send to the last "
-      f"answer; latency is each "
+      f"the gateway's TCP port, one on the floor's, one on `vllm serve`'s), timed from the "
+      f"first send to the last answer; latency is each "
       f"request's send → answer. The direct round is the same prompts tokenized and added to "
       f"the worker's LLMEngine at once, then `step()` until none is unfinished (latency: until "
-      f"the step that finished it). The overhead (and the verdict) is the median over rounds of "
-      f"a path's round time over direct's in the same round: the four paths of a round run "
+      f"the step that finished it). The floor is the same LLMEngine, in the same worker process, "
+      f"behind the least an HTTP server can be (bench/vllm_direct.py: aiohttp, the engine "
+      f"stepped by a task of the same event loop, a future per request; no supervisor, no "
+      f"second process, no ZeroMQ, no streaming or bookkeeping): floor vs direct is what HTTP "
+      f"and the client cost any server, engined vs floor is what engined adds to that. The "
+      f"overhead (and the verdict) is the median over rounds of "
+      f"a path's round time over direct's in the same round: the five paths of a round run "
       f"back to back, so a drift of the box's speed (tens of percent over minutes on this VM) "
       f"cancels out; the medians taken apart are shown beside it. Δ is engined's median round "
       f"time minus direct's; the line "
@@ -1277,19 +1297,22 @@ def report_overhead(r: Report, res: Results, rounds: int, dtypes: dict[str, str]
       f"processes only adds time, so the fastest rounds (min vs min) are the less noisy "
       f"comparison; a slope this small is within the noise of the medians, and may come out "
       f"negative.", "")
-    return {"verdicts": verdicts, "fits": fits}
+    return {"verdicts": verdicts, "fits": fits, "floor": over_floor}
 
 
 def report_sustained(r: Report, res: Results, trials: int, sizes: dict[int, int],
-                     heading: str = "") -> dict[tuple[str, int], float]:
-    """Sustained load: throughput (tokens/s, median of the trials) and latency per path."""
+                     heading: str = "") -> dict[str, dict[tuple[str, int], float]]:
+    """Sustained load: throughput (tokens/s, median of the trials) and latency per path; the
+    paired throughput at 8 concurrent against direct ("verdicts") and the floor ("floor")."""
     r(heading or f"## 1b. Sustained load: {' and '.join(map(str, CONCURRENCY))} requests always "
       f"in flight (engined vs the same `LLMEngine` driven directly, `vllm serve` as the peer)", "",
       *table("concurrency", "max_tokens", "path", "tokens/s (median of trials)",
              "throughput vs direct's in the same trial (median of the trials)",
              "same, medians taken apart", "latency p50", "latency p50 vs direct", "latency p95",
-             "requests", f"target at 8 (throughput within {OVERHEAD_TARGET_PCT:g} %, paired)"))
+             "requests", "engined's own cost: throughput vs the floor's in the same trial",
+             f"target at 8 (throughput within {OVERHEAD_TARGET_PCT:g} %, paired)"))
     verdicts: dict[tuple[str, int], float] = {}
+    over_floor: dict[tuple[str, int], float] = {}
     exact = True
     for c in CONCURRENCY:
         for m in MAX_TOKENS:
@@ -1305,21 +1328,24 @@ def report_sustained(r: Report, res: Results, trials: int, sizes: dict[int, int]
                 exact &= all(n == m for t in ts for n in t.tokens)
                 loss = paired_pct(res, path, c, m, tokens_per_s)
                 apart = 100 * (rate(path) / rate("direct") - 1)
-                target = "–"
-                if path in ENGINED_PATHS and c == 8:
-                    verdicts[(path, m)] = loss
-                    target = "PASS" if loss > -OVERHEAD_TARGET_PCT else "MISS"
+                target = vs_floor = "–"
+                if path in ENGINED_PATHS:
+                    own = paired_pct(res, path, c, m, tokens_per_s, "floor")
+                    vs_floor = signed_pct(own)
+                    if c == 8:
+                        verdicts[(path, m)], over_floor[(path, m)] = loss, own
+                        target = "PASS" if loss > -OVERHEAD_TARGET_PCT else "MISS"
                 vs_p50 = signed_pct(100 * (p50(path) / p50("direct") - 1))
                 r(f"| {c} | {m} | {PATH_LABELS[path]} | {rate(path):.0f} | "
                   f"{'–' if path == 'direct' else signed_pct(loss)} | "
                   f"{'–' if path == 'direct' else signed_pct(apart)} | {ms(pct(lats, 0.5))} | "
                   f"{'–' if path == 'direct' else vs_p50} | {ms(pct(lats, 0.95))} | "
-                  f"{sum(len(t.tokens) for t in ts)} | {target} |")
+                  f"{sum(len(t.tokens) for t in ts)} | {vs_floor} | {target} |")
     trial = ', '.join(f'{n} requests at {c} in flight' for c, n in sizes.items())
     if heading:  # section 1d: section 1b's method
         r("", f"Every request generated exactly max_tokens: {'yes' if exact else 'NO'}. As in "
           f"section 1b; a trial is {trial}, {trials} trial(s) per path.", "")
-        return verdicts
+        return {"verdicts": verdicts, "floor": over_floor}
     r("", f"Every request generated exactly max_tokens: {'yes' if exact else 'NO'}. A trial is "
       f"{trial}: "
       f"as many clients, each sending its next request the moment its last one is answered "
@@ -1330,9 +1356,9 @@ def report_sustained(r: Report, res: Results, trials: int, sizes: dict[int, int]
       f"trial (the verdict), and the medians taken apart. "
       f"The direct path keeps the same number in flight inside the worker: a finished request is "
       f"replaced before the next `step()`, which no server can match (a replacement through "
-      f"HTTP arrives while the next step runs, and joins the one after it). Latency is each "
-      f"request's send → answer.", "")
-    return verdicts
+      f"HTTP arrives while the next step runs, and joins the one after it: the floor's too). "
+      f"Latency is each request's send → answer.", "")
+    return {"verdicts": verdicts, "floor": over_floor}
 
 
 def dist_row(label: str, values: list[float]) -> str:
@@ -1618,21 +1644,34 @@ def report_backend_summary(r: Report, over: dict, crash: dict[str, float], freez
     models = [(over, "tiny-llama")]
     if (heavy := over.get("heavy")) is not None:
         models.append((heavy, f"heavier model ({heavy['step_ms']:.1f} ms steps)"))
+    def by_tokens(d: dict[tuple[str, int], float]) -> list[tuple[tuple[str, int], float]]:
+        return sorted(d.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+
     for section, model in models:
-        for (path, m), loss in sorted(section["sustained"].items(),
-                                      key=lambda kv: (kv[0][1], kv[0][0])):
+        sustained = section["sustained"]
+        for (path, m), loss in by_tokens(sustained["verdicts"]):
             verdict = ("PASS" if loss > -OVERHEAD_TARGET_PCT
                        else f"MISS by {-loss - OVERHEAD_TARGET_PCT:.1f} points")
             r(f"| throughput at 8 concurrent (sustained) within {OVERHEAD_TARGET_PCT:g} % of "
               f"direct, {model}, max_tokens {m}, {PATH_LABELS[path].removeprefix('engined: ')} "
               f"| {signed_pct(loss)} | direct LLMEngine | {verdict} |")
-    for verdicts, model in ((s["verdicts"], model) for s, model in models):
-        for (path, m), value in sorted(verdicts.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for (path, m), own in by_tokens(sustained["floor"]):
+            r(f"| engined's own cost: throughput at 8 concurrent (sustained) vs the floor's, "
+              f"{model}, max_tokens {m}, {PATH_LABELS[path].removeprefix('engined: ')} "
+              f"| {signed_pct(own)} | the floor (minimal HTTP server, same process as the "
+              f"engine) | report only |")
+    for section, model in models:
+        for (path, m), value in by_tokens(section["verdicts"]):
             verdict = ("PASS" if value < OVERHEAD_TARGET_PCT
                        else f"MISS by {value - OVERHEAD_TARGET_PCT:.1f} points")
             r(f"| overhead at 8 concurrent < {OVERHEAD_TARGET_PCT:g} % (bursts: round time), "
               f"{model}, max_tokens {m}, {PATH_LABELS[path].removeprefix('engined: ')} | "
               f"{signed_pct(value)} | direct LLMEngine | {verdict} |")
+        for (path, m), own in by_tokens(section["floor"]):
+            r(f"| engined's own cost: bursts at 8 concurrent, round time vs the floor's, "
+              f"{model}, max_tokens {m}, {PATH_LABELS[path].removeprefix('engined: ')} | "
+              f"{signed_pct(own)} | the floor (minimal HTTP server, same process as the "
+              f"engine) | report only |")
     r(f"| crash → READY vs `vllm serve` cold start to `/health` 200 | {crash['crash']:.2f} s | "
       f"{crash['cold']:.2f} s | report only: {crash['cold'] / crash['crash']:.2f}× |")
     if crash["outer"] == crash["outer"]:

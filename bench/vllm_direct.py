@@ -14,15 +14,33 @@ every prompt at once (the same SamplingParams engined's backend builds: greedy, 
 instead: `concurrency` requests in flight, a finished one replaced by the next before the next
 `step()` (the best any server in front of this engine could do), until `requests` have
 finished. One JSON line answers each job; EOF on stdin ends it.
+
+Beside the jobs, the same engine serves the bench's `floor` path: `POST /v1/generate` ({prompt,
+max_tokens}, answered with the text, token count and finish reason) on a loopback port (the ready
+line's `floor_port`), by the smallest HTTP server one could put in front of this LLMEngine:
+aiohttp in this same process, the engine stepped by a task of the same event loop, a future per
+request and nothing else (no supervisor, no second process, no ZeroMQ, no streaming, no
+bookkeeping). Engined against it is what engined itself costs; it against direct is what any HTTP
+server costs. The jobs and the floor's requests take turns (the bench runs one path at a time).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import socket
 import sys
+import threading
 import time
 from typing import Any
+
+# Before a step, this many turns of the event loop: the first reads the sockets that became
+# readable during the last step, the second runs aiohttp's handler tasks for what they carried,
+# which add their requests to the engine; the third is the stepper's own. So a request that
+# arrived during step k joins step k+1, as engined's child admits everything on its socket
+# before each step.
+_FLOOR_YIELDS = 3
 
 
 def main() -> int:
@@ -36,15 +54,111 @@ def main() -> int:
     backend = build_vllm_backend(config, lambda phase, detail: None)
     engine, tokenizer = backend.engine, backend.tokenizer
 
+    try:
+        asyncio.run(serve(engine, tokenizer, {"ready": True, "dtype": backend.dtype,
+                                              "device": backend.device}, answers))
+    finally:
+        backend.close()
+    return 0
+
+
+async def serve(engine: Any, tokenizer: Any, ready: dict[str, Any], answers: Any) -> None:
+    """The floor's HTTP server, and the stdin jobs (run in the loop: nothing else runs then)."""
+    from aiohttp import web
     from vllm import __version__
 
-    print(json.dumps({"ready": True, "dtype": backend.dtype, "device": backend.device,
-                      "vllm": __version__}), file=answers, flush=True)
-    for job_no, line in enumerate(sys.stdin, 1):
+    loop = asyncio.get_running_loop()
+    floor = Floor(engine, tokenizer)
+    app = web.Application()
+    app.router.add_post("/v1/generate", floor.generate)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, listener).start()
+    stepper = asyncio.create_task(floor.run())
+    print(json.dumps({**ready, "vllm": __version__, "floor_port": listener.getsockname()[1]}),
+          file=answers, flush=True)
+
+    jobs: asyncio.Queue[str | None] = asyncio.Queue()
+
+    def read_jobs() -> None:
+        for line in sys.stdin:
+            loop.call_soon_threadsafe(jobs.put_nowait, line)
+        loop.call_soon_threadsafe(jobs.put_nowait, None)  # EOF: the bench is done
+
+    threading.Thread(target=read_jobs, name="jobs", daemon=True).start()
+    job_no = 0
+    while (line := await jobs.get()) is not None:
+        job_no += 1
         answer = run_job(engine, tokenizer, json.loads(line), job_no)
         print(json.dumps(answer), file=answers, flush=True)
-    backend.close()
-    return 0
+    stepper.cancel()
+    await runner.cleanup()
+
+
+class _Waiting:
+    __slots__ = ("done", "pieces", "tokens")
+
+    def __init__(self, done: asyncio.Future[str]) -> None:
+        self.done, self.pieces, self.tokens = done, [], 0
+
+
+class Floor:
+    """`POST /v1/generate` straight into this process's LLMEngine (see the module's doc)."""
+
+    def __init__(self, engine: Any, tokenizer: Any) -> None:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self.engine, self.tokenizer = engine, tokenizer
+        self.sampling_params, self.tokens_prompt = SamplingParams, TokensPrompt
+        self.delta = RequestOutputKind.DELTA
+        self.waiting: dict[str, _Waiting] = {}
+        self.work = asyncio.Event()
+        self.n = 0
+
+    async def generate(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body = await request.json()
+        self.n += 1
+        request_id = f"floor-{self.n}"
+        params = self.sampling_params(max_tokens=int(body["max_tokens"]), temperature=0.0,
+                                      top_p=1.0, seed=None, output_kind=self.delta)
+        entry = self.waiting[request_id] = _Waiting(asyncio.get_running_loop().create_future())
+        prompt_ids = list(self.tokenizer.encode(body["prompt"]))
+        self.engine.add_request(request_id, self.tokens_prompt(prompt_token_ids=prompt_ids),
+                                params)
+        self.work.set()
+        try:
+            finish = await entry.done
+        except asyncio.CancelledError:  # the client went away
+            if self.waiting.pop(request_id, None) is not None:
+                self.engine.abort_request([request_id])
+            raise
+        return web.json_response({"text": "".join(entry.pieces),
+                                  "completion_tokens": entry.tokens, "finish_reason": finish})
+
+    async def run(self) -> None:
+        """The stepper: while the engine has work, a few loop turns (new requests join), a step."""
+        while True:
+            await self.work.wait()
+            self.work.clear()
+            while self.engine.has_unfinished_requests():
+                for _ in range(_FLOOR_YIELDS):
+                    await asyncio.sleep(0)
+                for out in self.engine.step():
+                    entry = self.waiting.get(out.request_id)
+                    if entry is None:
+                        continue  # aborted
+                    completion = out.outputs[0] if out.outputs else None
+                    if completion is not None:
+                        entry.pieces.append(completion.text)
+                        entry.tokens += len(completion.token_ids)
+                    if out.finished:
+                        del self.waiting[out.request_id]
+                        entry.done.set_result(str(getattr(completion, "finish_reason", None)))
 
 
 def run_job(engine: Any, tokenizer: Any, job: dict[str, Any], job_no: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The vLLM benchmark runs once, in its quick mode, so that it cannot rot.
 
-`python -m bench.vllm --quick` in a subprocess (about 4 minutes on a 2-core box): it must exit 0
+`python -m bench.vllm --quick` in a subprocess (about 10 minutes on a 2-core box): it must exit 0
 and write every table with every row. Nothing here asserts wall-clock speed (benchmarks report,
 tests don't time), nor whether a target passed: only that each verdict is PASS or MISS.
 
@@ -12,9 +12,11 @@ CI=true, where it fails.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from benchreport import section, sections, tables
@@ -22,9 +24,10 @@ from driver import vllm_python_or_skip
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.bench, pytest.mark.vllm, pytest.mark.timeout(1200)]
-TIMEOUT_S = 900  # a bound, not a timing assertion: the quick run takes ~4 min
+TIMEOUT_S = 1100  # a bound, not a timing assertion: the quick run takes ~10 min idle
 
 PATHS = ("direct `LLMEngine` (add_request + step, one process)",
+         "floor: the same `LLMEngine` behind a minimal HTTP server in its process",
          "engined: control socket `POST /v1/generate`",
          "engined: gateway `POST /v1/completions`",
          "peer: `vllm serve` `POST /v1/completions`")
@@ -41,6 +44,9 @@ FREEZE_ROWS = ("engined: SIGSTOP → its `/health` stops answering 200",
                "engined: SIGSTOP → killed as hung, exit recorded (`last_exit.at`)",
                "engined: SIGSTOP → READY again (`since`)",
                "engined: SIGSTOP → the in-flight gateway request finished")
+# the verdict table's paths (all but direct); engined's own begin with one of ENGINED
+VERDICT_PATHS = ("floor:", "control socket", "gateway", "peer: `vllm serve`")
+ENGINED = ("control socket", "gateway")
 SERVE_FREEZE_ROWS = ("`/health` stops answering 200", "`/health` polls answered 200",
                      "tokens of the in-flight completion received in the window",
                      "after SIGCONT")
@@ -53,6 +59,16 @@ def vllm_python() -> str:
 
 def has_row(rows: list[list[str]], prefix: str) -> bool:
     return any(row[0].startswith(prefix) for row in rows)
+
+
+def is_pct(cell: str) -> bool:
+    return re.fullmatch(r"[+-]\d+\.\d %", cell) is not None
+
+
+def check_floor_column(rows: list[list[str]], engined: Callable[[list[str]], bool]) -> None:
+    """The column before the verdict: engined's paths against the floor, in %; else "–"."""
+    for row in rows:
+        assert is_pct(row[-2]) if engined(row) else row[-2] == "–", row
 
 
 def test_vllm_quick_produces_every_table(tmp_path: Path, vllm_python: str) -> None:
@@ -77,24 +93,27 @@ def check_report(text: str) -> None:
         for m in ("16", "64"):
             for path in PATHS:
                 assert any(row[:3] == [c, m, path] for row in serving), (c, m, path, serving)
-            for path in ("control socket", "gateway", "peer: `vllm serve`"):
+            for path in VERDICT_PATHS:
                 assert any(row[:2] == [c, m] and row[2].startswith(path) for row in verdicts), \
                     (c, m, path, verdicts)
-        for path in ("control socket", "gateway", "peer: `vllm serve`"):
+        for path in VERDICT_PATHS:
             assert any(row[0].startswith(path) and row[1] == c for row in costs), (c, path)
-    engined = [row for row in verdicts if not row[2].startswith("peer")]
+    engined = [row for row in verdicts if row[2].startswith(ENGINED)]
     assert {row[-1] for row in engined if row[0] == "8"} <= {"PASS", "MISS"}, verdicts
-    assert all(row[-1] == "–" for row in verdicts if row[0] == "1" or row[2].startswith("peer"))
+    assert all(row[-1] == "–" for row in verdicts
+               if row[0] == "1" or not row[2].startswith(ENGINED)), verdicts
+    check_floor_column(verdicts, lambda row: row[2].startswith(ENGINED))
 
     serving, verdicts, costs = tables(section(secs, "1c. The same bursts at a realistic step"))
     for c in ("1", "8"):
         for m in ("16", "64"):
             for path in PATHS:
                 assert any(row[:3] == [c, m, path] for row in serving), (c, m, path, serving)
-            assert sum(row[:2] == [c, m] for row in verdicts) == 3, (c, m, verdicts)
-    assert {row[-1] for row in verdicts if row[0] == "8" and not row[2].startswith("peer")} \
+            assert sum(row[:2] == [c, m] for row in verdicts) == 4, (c, m, verdicts)
+    assert {row[-1] for row in verdicts if row[0] == "8" and row[2].startswith(ENGINED)} \
         <= {"PASS", "MISS"}, verdicts
-    assert len(costs) == 6, costs
+    check_floor_column(verdicts, lambda row: row[2].startswith(ENGINED))
+    assert len(costs) == 8, costs
 
     for name in ("1b. Sustained load", "1d. Sustained load on the heavier model"):
         (sustained,) = tables(section(secs, name))
@@ -107,6 +126,7 @@ def check_report(text: str) -> None:
             <= {"PASS", "MISS"}, sustained
         assert all(row[-1] == "–" for row in sustained
                    if row[0] == "1" or not row[2].startswith("engined")), sustained
+        check_floor_column(sustained, lambda row: row[2].startswith("engined"))
 
     (crash,) = tables(section(secs, "2. Crash → READY"))
     for label in CRASH_ROWS:
@@ -129,5 +149,11 @@ def check_report(text: str) -> None:
         rows = [row for row in summary if row[0].startswith(kind)]
         assert len(rows) == n, (kind, summary)
         assert all(row[-1] == "PASS" or row[-1].startswith("MISS") for row in rows), summary
+    # engined against the floor, report only: sustained and bursts, 2 models × 2 max_tokens × 2
+    for kind in ("engined's own cost: throughput at 8 concurrent (sustained) vs the floor's",
+                 "engined's own cost: bursts at 8 concurrent"):
+        rows = [row for row in summary if row[0].startswith(kind)]
+        assert len(rows) == 8 and all(is_pct(row[1]) and row[-1] == "report only"
+                                      for row in rows), (kind, summary)
     assert has_row(summary, "crash → READY vs `vllm serve` cold start"), summary
     assert has_row(summary, "frozen core (SIGSTOP) detected"), summary
