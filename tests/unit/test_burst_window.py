@@ -1,0 +1,89 @@
+"""The engine core's batching window: work arriving on an idle engine waits for the rest of its
+burst, so the burst's first step holds all of it (with vLLM a burst split as [1+7] costs one more
+step; with transformers, one more whole `generate`).
+
+The window's loop (`EngineCoreProc._coalesce`) runs here against a scripted socket: each poll
+delivers the burst's next frame or reports the gap empty, so what joins is decided by the
+script, not by this box's timing. Which backends wait is checked on the classes themselves.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import zmq
+
+from engined.engine.core import _COALESCE_GAP_S, EngineCoreProc
+from engined.engine.llm import HFBackend
+from engined.engine.models import EchoBackend
+from engined.engine.vllm_backend import VllmBackend
+
+
+class _Burst:
+    """A request socket whose frames reach it one poll at a time (a burst in flight)."""
+
+    def __init__(self, frames: int) -> None:
+        self.in_flight = frames
+        self.queued = 0
+        self.polls: list[int] = []
+
+    def poll(self, timeout_ms: int) -> int:
+        self.polls.append(timeout_ms)
+        if self.in_flight:
+            self.in_flight -= 1
+            self.queued += 1
+            return zmq.POLLIN
+        return 0  # the gap passed empty
+
+    def take(self, table: SimpleNamespace) -> None:
+        while self.queued:
+            self.queued -= 1
+            table.active[f"r{len(table.active)}"] = object()
+
+
+def _core(burst: _Burst, max_batch_size: int, first: int = 1) -> SimpleNamespace:
+    """What `_coalesce` reads of the core: the request table, the socket, the batch bound, the
+    stop flag; `first` requests already taken (the ones that ended the idle poll)."""
+    table = SimpleNamespace(active={f"r{i}": object() for i in range(first)})
+    core = SimpleNamespace(table=table, requests=burst, stop=SimpleNamespace(set=False),
+                           config=SimpleNamespace(max_batch_size=max_batch_size))
+    core._take_requests = lambda: burst.take(table)
+    return core
+
+
+def test_the_window_takes_a_whole_burst_then_one_empty_gap_ends_it() -> None:
+    burst = _Burst(frames=7)
+    core = _core(burst, max_batch_size=16)
+    EngineCoreProc._coalesce(core)  # type: ignore[arg-type]
+    assert len(core.table.active) == 8  # the first and the seven behind it: one step
+    assert burst.polls == [round(_COALESCE_GAP_S * 1000)] * 8  # seven arrivals, one empty gap
+
+
+def test_a_lone_request_pays_one_empty_gap() -> None:
+    burst = _Burst(frames=0)
+    core = _core(burst, max_batch_size=8)
+    EngineCoreProc._coalesce(core)  # type: ignore[arg-type]
+    assert len(core.table.active) == 1 and len(burst.polls) == 1
+
+
+def test_the_window_never_waits_past_a_full_batch() -> None:
+    burst = _Burst(frames=20)
+    core = _core(burst, max_batch_size=8)
+    EngineCoreProc._coalesce(core)  # type: ignore[arg-type]
+    assert len(core.table.active) == 8 and burst.in_flight == 13  # the rest wait for a step
+
+
+def test_a_stop_request_ends_the_window() -> None:
+    burst = _Burst(frames=7)
+    core = _core(burst, max_batch_size=8)
+    core.stop.set = True
+    EngineCoreProc._coalesce(core)  # type: ignore[arg-type]
+    assert len(core.table.active) == 1 and burst.polls == []
+
+
+def test_vllm_and_transformers_wait_for_a_burst_echo_does_not() -> None:
+    # vLLM: requests join a running batch, but a split burst costs a step; transformers: its
+    # batch cannot grow; echo: a step costs nothing, the wait would only add latency
+    assert VllmBackend.burst_window and VllmBackend.continuous_batching
+    assert HFBackend.burst_window and not HFBackend.continuous_batching
+    assert not EchoBackend.burst_window and EchoBackend.continuous_batching
