@@ -78,9 +78,6 @@ class Load:
 class Backend(Protocol):
     device: str
     dtype: str
-    # Requests join a running batch at the next step (vLLM, echo); transformers: one `generate`
-    # per batch, a request waits for the next.
-    continuous_batching: bool
     # Work arriving on an idle engine waits a moment for the rest of its burst (the core's
     # batching window): transformers, whose batch cannot grow; vLLM, where a burst split over
     # two steps costs a whole extra step (the late ones' prefill, then one more decode step for

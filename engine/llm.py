@@ -234,8 +234,7 @@ def _sampling_key(sampling: Sampling) -> tuple[float, float, int | None]:
 
 
 class HFBackend:
-    continuous_batching = False  # one `generate` per batch: a request waits for the next
-    burst_window = True  # so a burst shares one `generate`
+    burst_window = True  # one `generate` per batch (it cannot grow): a burst shares one
 
     def __init__(self, model: Any, tokenizer: Any, device: str, dtype: Any, gpus: list[int],
                  max_batch_size: int) -> None:

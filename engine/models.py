@@ -77,7 +77,6 @@ class EchoBackend:
     device = "cpu"
     dtype = "none"
 
-    continuous_batching = True  # requests join a running batch at the next step
     burst_window = False  # a step costs nothing: waiting for a burst would only add latency
 
     def __init__(self, token_s: float) -> None:

@@ -190,8 +190,8 @@ def _finish_reason(reason: object) -> str:
 
 
 class VllmBackend:
-    continuous_batching = True  # requests join a running batch at the next step
-    burst_window = True  # a burst split over two steps costs one more step
+    # requests join a running batch at every step, but a burst split over two costs one more
+    burst_window = True
 
     def __init__(self, engine: Any, device: str, dtype: str, gpus: list[int],
                  torch: Any) -> None:
