@@ -108,12 +108,10 @@ class Floor:
     """`POST /v1/generate` straight into this process's LLMEngine (see the module's doc)."""
 
     def __init__(self, engine: Any, tokenizer: Any) -> None:
-        from vllm import SamplingParams, TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm import TokensPrompt
 
         self.engine, self.tokenizer = engine, tokenizer
-        self.sampling_params, self.tokens_prompt = SamplingParams, TokensPrompt
-        self.delta = RequestOutputKind.DELTA
+        self.tokens_prompt = TokensPrompt
         self.waiting: dict[str, _Waiting] = {}
         self.work = asyncio.Event()
         self.n = 0
@@ -124,8 +122,7 @@ class Floor:
         body = await request.json()
         self.n += 1
         request_id = f"floor-{self.n}"
-        params = self.sampling_params(max_tokens=int(body["max_tokens"]), temperature=0.0,
-                                      top_p=1.0, seed=None, output_kind=self.delta)
+        params = greedy(int(body["max_tokens"]))
         entry = self.waiting[request_id] = _Waiting(asyncio.get_running_loop().create_future())
         prompt_ids = list(self.tokenizer.encode(body["prompt"]))
         self.engine.add_request(request_id, self.tokens_prompt(prompt_token_ids=prompt_ids),
@@ -161,9 +158,17 @@ class Floor:
                         entry.done.set_result(str(getattr(completion, "finish_reason", None)))
 
 
-def run_job(engine: Any, tokenizer: Any, job: dict[str, Any], job_no: int) -> dict[str, Any]:
-    from vllm import SamplingParams, TokensPrompt
+def greedy(max_tokens: int) -> Any:
+    """What VllmBackend.add builds for a greedy request of the core (DELTA outputs)."""
+    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, seed=None,
+                          output_kind=RequestOutputKind.DELTA)
+
+
+def run_job(engine: Any, tokenizer: Any, job: dict[str, Any], job_no: int) -> dict[str, Any]:
+    from vllm import TokensPrompt
 
     prompts, max_tokens = job["prompts"], job["max_tokens"]
     total = int(job.get("requests", len(prompts)))
@@ -173,9 +178,7 @@ def run_job(engine: Any, tokenizer: Any, job: dict[str, Any], job_no: int) -> di
     sent: dict[str, float] = {}
     latency: dict[str, float] = {}
     finish: dict[str, str] = {}
-    # what VllmBackend.add builds for a greedy request of the core
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, seed=None,
-                            output_kind=RequestOutputKind.DELTA)
+    params = greedy(max_tokens)
     added = steps = 0
     started = time.perf_counter()
 
