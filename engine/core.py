@@ -37,6 +37,7 @@ _IDLE_POLL_MS = 500  # idle wake-up; a signal wakes the loop at once through the
 _LINGER_MS = 500  # bounded linger: a dead daemon must not block our exit
 _COALESCE_GAP_S = 0.001  # batching window: requests arriving this close together share a batch
 _COALESCE_MAX_S = 0.005
+_LONE_STARTS = 4  # this many lone requests in a row on an idle engine turn the window off
 _STALL_FAULT_S = 3600.0
 _DP_IDLE_POLL_MS = 500  # DP ranks idle here; each wake-up costs one collective
 _DIST_TIMEOUT_S = 600  # collectives and rendezvous; the daemon's stall/startup limits act first
@@ -88,6 +89,41 @@ class _StopFlag:
         return self.signum is not None
 
 
+class BurstWindow:
+    """Whether work reaching an idle engine waits for the rest of its burst (`_coalesce`).
+
+    The wait is worth it for bursts: a burst split over two steps pays one more step (vLLM) or
+    one more whole `generate` (transformers). A lone request pays one empty gap for nothing. So
+    the engine watches what its idle starts were: one that took a single request, with nothing
+    more arriving during its first step, was lone. After `_LONE_STARTS` lone starts in a row the
+    window is skipped. The first start that was not lone (with the window off, a burst whose
+    late members arrived during its first step: a split) turns it back on. A workload that
+    changes from lone requests to bursts pays one split.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.lone_in_a_row = 0
+        self._first_step: int | None = None  # requests the start took, until its step is seen
+
+    @property
+    def wanted(self) -> bool:
+        return self.enabled and self.lone_in_a_row < _LONE_STARTS
+
+    def started(self, taken: int) -> None:
+        """An idle engine took `taken` requests (after the window, if it waited) and steps."""
+        if self.enabled:
+            self._first_step = taken
+
+    def first_step_done(self, arrived: int) -> None:
+        """The loop turn after a start's first step: `arrived` requests came in during it."""
+        if self._first_step is None:
+            return
+        lone = self._first_step + arrived <= 1
+        self.lone_in_a_row = self.lone_in_a_row + 1 if lone else 0
+        self._first_step = None
+
+
 class EngineCoreProc:
     """One engine core: builds its model lazily, serves requests, heartbeats, cleans up."""
 
@@ -108,6 +144,7 @@ class EngineCoreProc:
         self.in_collective = False  # a DP rank waiting on its peers (stall detection counts it)
         self._outbox: list[proto.TokenChunk | proto.GenerateResult] = []
         self._cleanup_announced = False
+        self.window = BurstWindow(False)  # set by run() once the backend says whether it waits
         # Test-only fault injection for any model (the echo engine always has it).
         self.faults = (os.environ.get("ENGINED_FAULT_INJECTION") == "1"
                        or config.model == "builtin:echo")
@@ -155,6 +192,7 @@ class EngineCoreProc:
         self.build()
         assert self.model is not None
         self.table = RequestTable(self.model, cfg.name, cfg.incarnation, self._send_requests)
+        self.window = BurstWindow(self.model.burst_window)
         load_s = time.monotonic() - started
         # The loop's progress stamp starts now, not when this object was built: with the build's
         # time in it, the first request after a load longer than stall_timeout looked like
@@ -189,14 +227,16 @@ class EngineCoreProc:
         try:
             while True:
                 was_idle = not self.busy
+                if was_idle:
+                    self.window.first_step_done(0)  # it finished before anything else came
                 ready = dict(poller.poll(0 if self.busy else self.idle_poll_ms))
                 if wake_r in ready:
                     _drain_fd(wake_r)
                 if self.requests in ready:
-                    self._take_requests()
-                    if was_idle and self.model is not None and self.model.burst_window:
-                        self._coalesce()
+                    self._admit(was_idle)
                     self._flush()  # rejections
+                elif not was_idle:
+                    self.window.first_step_done(0)
                 if not self.iterate():
                     break
                 self._flush()
@@ -209,6 +249,19 @@ class EngineCoreProc:
             os.close(wake_r)
             os.close(wake_w)
 
+    def _admit(self, was_idle: bool) -> None:
+        """Take what arrived; on an idle engine, maybe what arrives right behind it too."""
+        assert self.table is not None
+        before = len(self.table.active)
+        self._take_requests()
+        if was_idle and self.window.wanted:
+            self._coalesce()
+        taken = len(self.table.active) - before
+        if not was_idle:
+            self.window.first_step_done(taken)
+        elif taken:
+            self.window.started(taken)
+
     def _coalesce(self) -> None:
         """Work arrived on an idle engine: take what arrives right behind it into the same step.
 
@@ -217,7 +270,8 @@ class EngineCoreProc:
         step (measured on tiny-llama: 17 steps instead of 16, +9 % on the round, in 12 of 40
         bursts of 8 whose first step began before the other 7 reached the child). Wait while
         requests keep coming (gaps under _COALESCE_GAP_S), at most _COALESCE_MAX_S, never past a
-        full batch: a lone request pays one empty poll of the gap.
+        full batch: a lone request pays one empty poll of the gap, until `BurstWindow` has seen
+        enough of them to stop waiting.
         """
         assert self.table is not None
         deadline = time.monotonic() + _COALESCE_MAX_S

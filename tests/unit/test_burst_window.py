@@ -5,15 +5,18 @@ step; with transformers, one more whole `generate`).
 The window's loop (`EngineCoreProc._coalesce`) runs here against a scripted socket: each poll
 delivers the burst's next frame or reports the gap empty, so what joins is decided by the
 script, not by this box's timing. Which backends wait is checked on the classes themselves.
+Whether the window is open at all (`BurstWindow`: lone requests in a row turn it off, a split
+burst turns it back on) is a table of idle starts, and one run through `_admit`.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import zmq
 
-from engined.engine.core import _COALESCE_GAP_S, EngineCoreProc
+from engined.engine.core import _COALESCE_GAP_S, _LONE_STARTS, BurstWindow, EngineCoreProc
 from engined.engine.llm import HFBackend
 from engined.engine.models import EchoBackend
 from engined.engine.vllm_backend import VllmBackend
@@ -48,6 +51,8 @@ def _core(burst: _Burst, max_batch_size: int, first: int = 1) -> SimpleNamespace
     core = SimpleNamespace(table=table, requests=burst, stop=SimpleNamespace(set=False),
                            config=SimpleNamespace(max_batch_size=max_batch_size))
     core._take_requests = lambda: burst.take(table)
+    core.window = BurstWindow(True)
+    core._coalesce = lambda: EngineCoreProc._coalesce(core)  # type: ignore[arg-type]
     return core
 
 
@@ -87,3 +92,54 @@ def test_vllm_and_transformers_wait_for_a_burst_echo_does_not() -> None:
     assert VllmBackend.burst_window
     assert HFBackend.burst_window
     assert not EchoBackend.burst_window
+
+
+def _starts(window: BurstWindow, starts: list[tuple[int, int]]) -> list[bool]:
+    """Idle starts as (requests it took, requests that arrived during its first step): whether
+    the window was open before each."""
+    seen = []
+    for taken, arrived in starts:
+        seen.append(window.wanted)
+        window.started(taken)
+        window.first_step_done(arrived)
+    return seen
+
+
+LONE, SPLIT, GATHERED = (1, 0), (1, 7), (8, 0)
+
+
+@pytest.mark.parametrize(("starts", "open_before_each"), [
+    # lone requests: the window is paid _LONE_STARTS times, then skipped
+    ([LONE] * (_LONE_STARTS + 2), [True] * _LONE_STARTS + [False] * 2),
+    # a burst the window gathered is not lone: the count starts again
+    ([LONE] * (_LONE_STARTS - 1) + [GATHERED] + [LONE] * _LONE_STARTS,
+     [True] * (2 * _LONE_STARTS)),
+    # with the window off, a burst splits once; the split turns it back on
+    ([LONE] * _LONE_STARTS + [SPLIT, GATHERED], [True] * _LONE_STARTS + [False, True]),
+    # two requests that arrived together, or one behind the other during the first step
+    ([LONE] * _LONE_STARTS + [(1, 1), (2, 0)], [True] * _LONE_STARTS + [False, True]),
+])
+def test_lone_requests_turn_the_window_off_and_a_split_burst_turns_it_on(
+        starts: list[tuple[int, int]], open_before_each: list[bool]) -> None:
+    assert _starts(BurstWindow(True), starts) == open_before_each
+
+
+def test_a_backend_without_the_window_never_waits() -> None:
+    window = BurstWindow(False)
+    assert _starts(window, [SPLIT, GATHERED, SPLIT]) == [False] * 3
+
+
+def test_admit_skips_the_gap_after_lone_requests_and_waits_again_after_a_split() -> None:
+    burst = _Burst(frames=0)
+    core = _core(burst, max_batch_size=8, first=0)
+    for n in range(_LONE_STARTS + 1):  # lone requests, each on an idle engine
+        burst.queued = 1
+        EngineCoreProc._admit(core, was_idle=True)  # type: ignore[arg-type]
+        assert len(burst.polls) == min(n + 1, _LONE_STARTS)  # the last one paid no gap
+        EngineCoreProc._admit(core, was_idle=False)  # type: ignore[arg-type]  # its step
+        core.table.active.clear()
+    burst.queued = 1  # a burst: its first member reaches the idle engine alone...
+    EngineCoreProc._admit(core, was_idle=True)  # type: ignore[arg-type]
+    burst.queued = 7  # ...the other seven during its first step
+    EngineCoreProc._admit(core, was_idle=False)  # type: ignore[arg-type]
+    assert len(core.table.active) == 8 and core.window.wanted
