@@ -64,6 +64,7 @@ from bench.common import (
     BenchDaemon,
     BenchError,
     Cleanup,
+    LeanHTTP,
     Report,
     Tracker,
     default_out,
@@ -416,29 +417,25 @@ async def burst(one: OneRequest, prompts: list[str], max_tokens: int) -> Round:
     return answers_round(time.perf_counter() - started, list(answers))
 
 
-async def control_one(session: Any, prompt: str, max_tokens: int,
-                      url: str = "http://engined/v1/generate") -> Answer:
+async def control_one(client: LeanHTTP, prompt: str, max_tokens: int) -> Answer:
     """One `POST /v1/generate` (engined's control socket, or the floor's port): (latency, tokens,
     finish reason, its life in the engine child: NaN from the floor, which has no child)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "engine": ENGINE}
     started = time.perf_counter()
-    async with session.post(url, json=body) as resp:
-        data = await resp.json()
-        if resp.status != 200:
-            raise BenchError(f"POST /v1/generate: HTTP {resp.status}: {data}")
+    status, data = await client.post("/v1/generate", body)
+    if status != 200:
+        raise BenchError(f"POST /v1/generate: HTTP {status}: {data}")
     return (time.perf_counter() - started, data["completion_tokens"], data["finish_reason"],
             data.get("queue_s", float("nan")) + data.get("compute_s", float("nan")))
 
 
-async def completion_one(session: Any, port: int, model: str, prompt: str, max_tokens: int
-                         ) -> Answer:
+async def completion_one(client: LeanHTTP, model: str, prompt: str, max_tokens: int) -> Answer:
     """One OpenAI `POST /v1/completions` (engined's gateway, or `vllm serve`): no child time."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     started = time.perf_counter()
-    async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
-        data = await resp.json()
-        if resp.status != 200:
-            raise BenchError(f"POST /v1/completions: HTTP {resp.status}: {data}")
+    status, data = await client.post("/v1/completions", body)
+    if status != 200:
+        raise BenchError(f"POST /v1/completions: HTTP {status}: {data}")
     return (time.perf_counter() - started, data["usage"]["completion_tokens"],
             data["choices"][0]["finish_reason"], float("nan"))
 
@@ -466,25 +463,18 @@ async def overhead(daemon: Daemon, worker: DirectWorker, serve: VllmServe, round
     """Bursts, then sustained load: every (max_tokens, concurrency) in turn, its five paths in a
     rotating order (engined's two, the same LLMEngine direct and behind the floor's minimal
     server, `vllm serve` as the peer)."""
-    import aiohttp
-
     bursts: Results = {(p, c, m): [] for p in PATHS for c in CONCURRENCY for m in MAX_TOKENS}
     sustained: Results = {key: [] for key in bursts}
-    timeout = aiohttp.ClientTimeout(total=300)
-    # one connection per client, as a serving client keeps (aiohttp's default pool: 100)
-    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=daemon.socket),
-                                     timeout=timeout) as control, \
-            aiohttp.ClientSession(timeout=timeout) as gateway, \
-            aiohttp.ClientSession(timeout=timeout) as peer, \
-            aiohttp.ClientSession(timeout=timeout) as floor:
-        floor_url = f"http://127.0.0.1:{worker.info['floor_port']}/v1/generate"
+    # one keep-alive connection per client (bench/common.py's LeanHTTP: the load generator's
+    # own CPU kept small, since it shares the 2 cores with what it measures)
+    control, floor = LeanHTTP(unix=daemon.socket), LeanHTTP(port=worker.info["floor_port"])
+    gateway, peer = LeanHTTP(port=daemon.gateway_port), LeanHTTP(port=serve.port)
+    try:
         ones: dict[str, OneRequest] = {
-            "floor": lambda prompt, m: control_one(floor, prompt, m, floor_url),
+            "floor": lambda prompt, m: control_one(floor, prompt, m),
             "control": lambda prompt, m: control_one(control, prompt, m),
-            "gateway": lambda prompt, m: completion_one(gateway, daemon.gateway_port, GROUP,
-                                                        prompt, m),
-            "serve": lambda prompt, m: completion_one(peer, serve.port, str(serve.model),
-                                                      prompt, m),
+            "gateway": lambda prompt, m: completion_one(gateway, GROUP, prompt, m),
+            "serve": lambda prompt, m: completion_one(peer, str(serve.model), prompt, m),
         }
         for i in range(WARMUP_ROUNDS + rounds):
             for m in MAX_TOKENS:
@@ -509,6 +499,9 @@ async def overhead(daemon: Daemon, worker: DirectWorker, serve: VllmServe, round
                         else:
                             sample = await sustained_trial(ones[path], c, n, m)
                         sustained[(path, c, m)].append(sample)
+    finally:
+        for client in (control, floor, gateway, peer):
+            client.close()
     return bursts, sustained
 
 
@@ -1276,8 +1269,10 @@ def report_overhead(r: Report, res: Results, rounds: int, dtypes: dict[str, str]
         return {"verdicts": verdicts, "fits": fits, "floor": over_floor}
     r("", f"Rounds: every (max_tokens, concurrency) in turn, its five paths in a rotating order; "
       f"{WARMUP_ROUNDS} warm-up rounds dropped, {rounds} measured. A round is `concurrency` "
-      f"requests sent at once (aiohttp: one keep-alive session on the control socket, one on "
-      f"the gateway's TCP port, one on the floor's, one on `vllm serve`'s), timed from the "
+      f"requests sent at once (bench/common.py's LeanHTTP, a lean HTTP/1.1 client: one "
+      f"keep-alive connection per request in flight, on the control socket, the gateway's TCP "
+      f"port, the floor's, `vllm serve`'s; it shares the 2 cores with what it measures, and "
+      f"aiohttp's client cost twice its CPU), timed from the "
       f"first send to the last answer; latency is each "
       f"request's send → answer. The direct round is the same prompts tokenized and added to "
       f"the worker's LLMEngine at once, then `step()` until none is unfinished (latency: until "
@@ -1349,7 +1344,7 @@ def report_sustained(r: Report, res: Results, trials: int, sizes: dict[int, int]
     r("", f"Every request generated exactly max_tokens: {'yes' if exact else 'NO'}. A trial is "
       f"{trial}: "
       f"as many clients, each sending its next request the moment its last one is answered "
-      f"(aiohttp, one connection per client), the way a serving benchmark at a fixed "
+      f"(LeanHTTP, one connection per client), the way a serving benchmark at a fixed "
       f"concurrency drives a server; tokens/s is the trial's generated tokens over its time, "
       f"the median of {trials} trials per path, the paths of each trial in a rotating order; "
       f"against direct, the median over trials of a path's tokens/s over direct's in the same "
