@@ -267,12 +267,26 @@ class LeanHTTP:
     async def _post(self, path: str, data: bytes) -> tuple[int, Any]:
         import asyncio
 
-        if self._idle:
+        while self._idle:
             reader, writer = self._idle.pop()
-        elif self.unix is not None:
+            if reader.at_eof() or writer.is_closing():
+                writer.close()  # the server closed it while idle (uvicorn after 5 s)
+                continue
+            try:
+                return await self._exchange(reader, writer, path, data)
+            except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
+                if getattr(exc, "partial", b""):
+                    raise
+                # closed by the server as this request went out: nothing was answered, so it
+                # goes again on another connection (as HTTP clients retry on a stale one)
+        if self.unix is not None:
             reader, writer = await asyncio.open_unix_connection(self.unix)
         else:
             reader, writer = await asyncio.open_connection(self.host, self.port)
+        return await self._exchange(reader, writer, path, data)
+
+    async def _exchange(self, reader: Any, writer: Any, path: str, data: bytes
+                        ) -> tuple[int, Any]:
         try:
             writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s"
