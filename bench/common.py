@@ -9,6 +9,7 @@ handles, which guard against pid reuse) and stopped by pid.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -255,18 +256,14 @@ class LeanHTTP:
                  timeout_s: float = 300.0) -> None:
         self.host, self.port, self.unix = host, port, unix
         self.timeout_s = timeout_s
-        self._idle: list[tuple[Any, Any]] = []
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         """(status, the answer's JSON); raises BenchError on a non-JSON or cut answer."""
-        import asyncio
-
         async with asyncio.timeout(self.timeout_s):  # no task of its own, unlike wait_for
             return await self._post(path, json.dumps(body).encode())
 
     async def _post(self, path: str, data: bytes) -> tuple[int, Any]:
-        import asyncio
-
         while self._idle:
             reader, writer = self._idle.pop()
             if reader.at_eof() or writer.is_closing():
@@ -285,8 +282,8 @@ class LeanHTTP:
             reader, writer = await asyncio.open_connection(self.host, self.port)
         return await self._exchange(reader, writer, path, data)
 
-    async def _exchange(self, reader: Any, writer: Any, path: str, data: bytes
-                        ) -> tuple[int, Any]:
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        path: str, data: bytes) -> tuple[int, Any]:
         try:
             writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s"

@@ -84,6 +84,13 @@ CONCURRENCY = (1, 8)
 PROMPTS = [f"vllm benchmark prompt {i}: the quick brown fox" for i in range(8)]  # equal lengths
 OVERHEAD_TARGET_PCT = 5.0  # the issue's target at 8 concurrent requests
 WARMUP_ROUNDS = 2
+# Untimed bursts right before each timed one, on the same path. In a rotating order a path's
+# round otherwise starts just after other processes ran (and its own sat idle): measured here,
+# a burst after 150 ms idle took 4-5 ms longer than the next one, direct LLMEngine and engined
+# alike (tiny-llama, 16 tokens, at 1 and at 8), and the cyclic rotation put each path after the
+# same neighbour every time (the floor after direct in its own process: warm; engined's control
+# path after the floor: cold; the gateway after it: warm), a bias of about 10 % of a round.
+PRIMING = 1
 PATHS = ("direct", "floor", "control", "gateway", "serve")
 ENGINED_PATHS = ("control", "gateway")  # the target is theirs; `serve` is the peer
 PATH_LABELS = {
@@ -482,10 +489,13 @@ async def overhead(daemon: Daemon, worker: DirectWorker, serve: VllmServe, round
                     prompts = PROMPTS[:c]
                     k = i % len(PATHS)
                     for path in PATHS[k:] + PATHS[:k]:
-                        if path == "direct":
-                            sample = await asyncio.to_thread(worker.run, prompts, m)
-                        else:
-                            sample = await burst(ones[path], prompts, m)
+                        # an untimed burst first (PRIMING): the timed one is the path's second
+                        # in a row, never the first after another path's processes ran
+                        for _ in range(PRIMING + 1):
+                            if path == "direct":
+                                sample = await asyncio.to_thread(worker.run, prompts, m)
+                            else:
+                                sample = await burst(ones[path], prompts, m)
                         if i >= WARMUP_ROUNDS:
                             bursts[(path, c, m)].append(sample)
         for i in range(trials):
@@ -1268,7 +1278,10 @@ def report_overhead(r: Report, res: Results, rounds: int, dtypes: dict[str, str]
           f"measured.", "")
         return {"verdicts": verdicts, "fits": fits, "floor": over_floor}
     r("", f"Rounds: every (max_tokens, concurrency) in turn, its five paths in a rotating order; "
-      f"{WARMUP_ROUNDS} warm-up rounds dropped, {rounds} measured. A round is `concurrency` "
+      f"{WARMUP_ROUNDS} warm-up rounds dropped, {rounds} measured; each timed burst of a path "
+      f"right after {PRIMING} untimed one(s) of its own, so no path is timed on the first "
+      f"burst after other processes ran (that one took 4-5 ms longer, direct and engined alike, "
+      f"and the rotation gave each path the same neighbour every round). A round is `concurrency` "
       f"requests sent at once (bench/common.py's LeanHTTP, a lean HTTP/1.1 client: one "
       f"keep-alive connection per request in flight, on the control socket, the gateway's TCP "
       f"port, the floor's, `vllm serve`'s; it shares the 2 cores with what it measures, and "
