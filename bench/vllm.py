@@ -323,7 +323,7 @@ class SSEStream(threading.Thread):
         return sum(1 for x in self.token_times if x > t)
 
 
-FREEZE_ATTEMPTS = 3  # a stream that ended before the freeze is sent again, at most this often
+FREEZE_ATTEMPTS = 5  # a stream that ended before the freeze is sent again, at most this often
 
 
 def stream_in_flight(port: int, body: dict[str, Any], what: str) -> SSEStream:
@@ -331,6 +331,7 @@ def stream_in_flight(port: int, body: dict[str, Any], what: str) -> SSEStream:
     running: the precondition of every freeze. A server that falls behind its engine merges the
     tokens it has not sent yet into one event (vLLM's RequestOutputCollector does), so on a loaded
     box a request can finish in fewer events than that; it is sent again then. An error ends it."""
+    attempts = []
     for _ in range(FREEZE_ATTEMPTS):
         stream = SSEStream(port, body)
         stream.start()
@@ -340,8 +341,11 @@ def stream_in_flight(port: int, body: dict[str, Any], what: str) -> SSEStream:
             return stream
         if stream.error:
             raise BenchError(f"{what} failed: {stream.error}")
+        span = stream.token_times[-1] - stream.token_times[0] if stream.token_times else 0.0
+        attempts.append(f"{len(stream.token_times)} events over {span:.2f} s, usage "
+                        f"{stream.usage}")
     raise BenchError(f"{what} ended ({stream.finish}) before {FREEZE_AFTER_CHUNKS} token events "
-                     f"arrived, {FREEZE_ATTEMPTS} times")
+                     f"arrived, {FREEZE_ATTEMPTS} times: {'; '.join(attempts)}")
 
 
 # --- 1. overhead ----------------------------------------------------------------------------------
