@@ -60,7 +60,7 @@ PRELOADS = {
     "transformers": ("torch", "transformers", "transformers.models.auto.modeling_auto",
                      "transformers.models.auto.tokenization_auto",
                      "transformers.models.llama.modeling_llama", "transformers.generation.utils",
-                     "safetensors.torch", "engined.engine.llm"),
+                     "safetensors.torch", "engined.engine.transformers_backend"),
     "vllm": ("engined.engine.vllm_backend", "torch", "vllm", "vllm.v1.engine.llm_engine"),
 }
 

@@ -42,7 +42,7 @@ from engined.engine.backend import (
     fallback_chat_prompt,
     torch_gpu_memory,
 )
-from engined.engine.llm import _check_checkpoint, tiny_llama_dir
+from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
 
 if TYPE_CHECKING:
     from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory
@@ -84,7 +84,7 @@ def build_vllm_backend(config: EngineConfig, progress: ProgressFn) -> VllmBacken
 
     path = tiny_llama_dir(progress) if config.model == "builtin:tiny-llama" else Path(config.model)
     try:
-        _check_checkpoint(path)
+        check_checkpoint(path)
     except OSError as exc:
         raise EngineConfigError(f"cannot read model directory {path}: {exc}") from None
     kwargs = engine_kwargs(config, path)

@@ -92,7 +92,7 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = tmp_path_factory.mktemp("engined-cache")
     env = {**_clean_env(), "ENGINED_CACHE_DIR": str(cache)}
     done = subprocess.run(
-        [PYTHON, "-c", "from engined.engine.llm import tiny_llama_dir; "
+        [PYTHON, "-c", "from engined.engine.checkpoint import tiny_llama_dir; "
                        "print(tiny_llama_dir(lambda phase, detail: None))"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -34,7 +34,7 @@ RESTART_POLICIES = ("always", "on-failure", "never")
 LAUNCHERS = ("forkserver", "exec")  # how engine children start (command engines: exec)
 RESERVED_NAMES = ("all",)  # enginectl's "every engine"
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NOTIFY_SOCKET")  # plus the ENGINED_ prefix
-# ...except the knobs the engine child itself reads (engine/models.py, engine/llm.py): a spec
+# ...except the knobs the engine child itself reads (engine/echo.py, engine/checkpoint.py): a spec
 # sets them through `env` (e.g. ENGINED_ECHO_FAIL for fault injection).
 ENGINE_ENV = ("ENGINED_CACHE_DIR", "ENGINED_FAULT_INJECTION")
 ENGINE_ENV_PREFIX = ("ENGINED_ECHO_", "ENGINED_FAULT_")

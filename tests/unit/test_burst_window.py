@@ -17,8 +17,8 @@ import pytest
 import zmq
 
 from engined.engine.core import _COALESCE_GAP_S, _LONE_STARTS, BurstWindow, EngineCoreProc
-from engined.engine.llm import HFBackend
-from engined.engine.models import EchoBackend
+from engined.engine.echo import EchoBackend
+from engined.engine.transformers_backend import HFBackend
 from engined.engine.vllm_backend import VllmBackend
 
 

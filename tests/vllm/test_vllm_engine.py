@@ -45,7 +45,7 @@ REQUEST_TIMEOUT_S = 120.0
 STALL_TIMEOUT_S = 3.0
 HEARTBEAT_TIMEOUT_S = 5.0
 CPU_EXAMPLE = REPO_ROOT / "etc" / "examples" / "vllm-cpu.yaml"
-TINY_CHAT_PROMPT = "<|user|>\nhi\n<|assistant|>\n"  # engine/llm.py's template, byte-level ids
+TINY_CHAT_PROMPT = "<|user|>\nhi\n<|assistant|>\n"  # checkpoint.py's template, byte ids
 
 SUPERVISOR = {"heartbeat_interval": "0.2s", "heartbeat_timeout": f"{HEARTBEAT_TIMEOUT_S:g}s"}
 # Every restart immediate (a restart loop would show at once, and the tier stays short).
@@ -122,7 +122,7 @@ def _cleanup_line(log: str, name: str, incarnation: int) -> str:
 
 
 def _scratch(d: Daemon) -> Path:
-    """The daemon's root of its engines' TMPDIRs (engined.supervisor.scratch)."""
+    """The daemon's root of its engines' TMPDIRs (engined.supervisor.host.scratch)."""
     return Path(tempfile.gettempdir()) / f"engined-scratch-{d.pid}"
 
 
@@ -340,7 +340,7 @@ def test_daemon_sigterm_runs_every_vllm_cleanup_and_leaves_nothing(ready_fleet: 
     engines = d.engines()
     daemon = psutil.Process(d.pid)
     guard = [p.pid for p in daemon.children()
-             if "engined.supervisor.guard" in " ".join(p.cmdline())]
+             if "engined.supervisor.host.guard" in " ".join(p.cmdline())]
     assert len(guard) == 1, daemon.children()
     processes = {pid for e in engines.values() for pid in (e["pid"], *_descendants(e["pid"]))}
     processes |= {*guard, *_descendants(guard[0])}

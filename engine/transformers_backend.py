@@ -1,14 +1,9 @@
 """The transformers backend: `builtin:tiny-llama` and `{path: DIR, dtype: ...}` Hugging Face
 causal LMs, streaming tokens as they come.
 
-Imported only inside the child, only when such a model is configured: this module is the one
-place that imports torch and transformers. No hub access, ever: the child runs with
-HF_HUB_OFFLINE=1 and every load is `from_pretrained(<local directory>)`.
-
-`builtin:tiny-llama` is a small random-weight Llama with a byte-level tokenizer and a chat template,
-built once (seeded, so every replica and every run gets the same weights) with `save_pretrained`
-into a cache directory, and from then on loaded through the same `from_pretrained` path as a real
-checkpoint. Its head_dim is 64 (hidden 256, 4 heads): vLLM's CPU attention loads it too.
+Imported only inside the child, only when such a model is configured: with engine/checkpoint.py's
+recipe builder, the one place that imports torch and transformers. No hub access, ever: the
+child runs with HF_HUB_OFFLINE=1 and every load is `from_pretrained(<local directory>)`.
 
 One HF `generate` call applies one set of sampling parameters to a whole batch, so a batch is
 formed of waiting requests with the same parameters; a request that arrives while a batch runs
@@ -22,8 +17,6 @@ import collections
 import gc
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -40,88 +33,10 @@ from engined.engine.backend import (
     fallback_chat_prompt,
     torch_gpu_memory,
 )
+from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
 
 if TYPE_CHECKING:
     from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Sampling
-
-TINY_LLAMA_VERSION = "v2"  # bump when the recipe below changes: a new cache directory is built
-# head_dim 64 (vLLM's CPU attention needs 32, 64, 80 or more); chat template for the chat path
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
-                      "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-_SPECIALS = ("<pad>", "<s>", "</s>")
-
-
-def cache_root() -> Path:
-    explicit = os.environ.get("ENGINED_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "engined"
-
-
-def tiny_llama_dir(progress: ProgressFn) -> Path:
-    """The tiny model's checkpoint directory, built on first use (atomically: replicas race)."""
-    return recipe_dir(f"tiny-llama-{TINY_LLAMA_VERSION}", TINY_LLAMA_DIMS, progress)
-
-
-def recipe_dir(name: str, dims: dict[str, Any], progress: ProgressFn) -> Path:
-    """`name` in the cache: the recipe at `dims`, built on first use, atomically (replicas
-    race, and a build cut short must not look finished)."""
-    target = cache_root() / name
-    if (target / "config.json").exists():
-        return target
-    progress("build", f"creating the {name} checkpoint in {target}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
-        save_llama_recipe(staging, dims)
-        os.rename(staging, target)  # atomic; fails if another replica won the race
-    except OSError:
-        if not (target / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-# tiny-llama's shape; bench.vllm builds a heavier model from the same recipe (its section 1c)
-TINY_LLAMA_DIMS: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512,
-                                   "num_hidden_layers": 2, "num_attention_heads": 4,
-                                   "num_key_value_heads": 2}
-
-
-def save_llama_recipe(directory: Path, dims: dict[str, Any]) -> None:
-    """The recipe: a byte-level tokenizer, random weights of a Llama of `dims`."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(_SPECIALS)}
-    vocab.update({ch: len(_SPECIALS) + i for i, ch in enumerate(sorted(alphabet))})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
-                                        bos_token="<s>", eos_token="</s>")
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    config = LlamaConfig(vocab_size=len(vocab), **dims,
-                         max_position_embeddings=2048, pad_token_id=0, bos_token_id=1,
-                         eos_token_id=2, tie_word_embeddings=False,
-                         initializer_range=0.2)  # wide enough that greedy output varies
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    # Random weights, readable output: only lowercase letters, space and a little punctuation
-    # keep output-projection rows, so greedy decoding emits text rather than raw bytes.
-    readable = {tokenizer.convert_tokens_to_ids(t) for ch in "abcdefghijklmnopqrstuvwxyz .,"
-                for t in tokenizer.tokenize(ch)}
-    with torch.no_grad():
-        for token_id in range(len(vocab)):
-            if token_id not in readable:
-                model.lm_head.weight[token_id].zero_()
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-
 
 def build_hf_backend(config: EngineConfig, progress: ProgressFn) -> HFBackend:
     progress("import", "torch, transformers")
@@ -136,7 +51,7 @@ def build_hf_backend(config: EngineConfig, progress: ProgressFn) -> HFBackend:
     transformers.utils.logging.disable_progress_bar()  # no tqdm bars in the engine's log
     device = _device(config, torch)
     path = tiny_llama_dir(progress) if config.model == "builtin:tiny-llama" else Path(config.model)
-    _check_checkpoint(path)
+    check_checkpoint(path)
     dtype = _dtype(config.dtype, path, torch)
     progress("weights", f"{path} ({str(dtype).removeprefix('torch.')}, {device})")
     model, tokenizer = _load(path, dtype, device)
@@ -156,13 +71,6 @@ def _device(config: EngineConfig, torch: Any) -> str:
     return "cuda:0"
 
 
-# A checkpoint directory needs one of each (the files Hugging Face loaders look for).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "tokenizer.tiktoken")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-
-
 def missing_stack_message(exc: ImportError, stack: str) -> str:
     """What to tell an operator whose engine's environment lacks its model stack."""
     import sys
@@ -172,26 +80,6 @@ def missing_stack_message(exc: ImportError, stack: str) -> str:
             f"({sys.executable}): {exc}. Install them there: "
             f"{sys.executable} -m pip install 'engined[engine]' (GPU hosts: your CUDA build of "
             f"torch first)")
-
-
-def _check_checkpoint(path: Path) -> None:
-    """A directory a loader can use: config.json, tokenizer files and weights."""
-    config_file = path / "config.json"
-    if not path.is_dir():
-        raise EngineConfigError(f"model directory {path} does not exist")
-    if not config_file.is_file():
-        raise EngineConfigError(f"model directory {path} has no config.json")
-    try:
-        json.loads(config_file.read_text("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EngineConfigError(f"corrupt {config_file}: {exc}") from None
-    names = {p.name for p in path.iterdir()}
-    if not names & set(TOKENIZER_FILES):
-        raise EngineConfigError(f"model directory {path} has no tokenizer files (expected one "
-                                f"of {', '.join(TOKENIZER_FILES)})")
-    if not names & set(WEIGHT_FILES) and not any(n.endswith(".safetensors") for n in names):
-        raise EngineConfigError(f"model directory {path} has no weights (expected "
-                                f"{', '.join(WEIGHT_FILES)} or *.safetensors)")
 
 
 def _dtype(name: str | None, path: Path, torch: Any) -> Any:

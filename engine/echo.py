@@ -1,10 +1,8 @@
-"""Building an engine's backend, lazily inside the child, and the light one: `builtin:echo`.
-
-`builtin:echo` has the same lifecycle, heartbeats and request loop as a real engine, no torch:
-characters are tokens (a token id is the character's code point) and the completion is the
-prompt itself, so it is an exact oracle: a request resumed after k delivered tokens continues
-with the prompt's character k. A chat echoes its last message. Fault switches for tests and
-chaos runs come from the child's environment (set through the spec's `env`):
+"""The light engine, `builtin:echo`: the same lifecycle, heartbeats and request loop as a real
+engine, no torch: characters are tokens (a token id is the character's code point) and the
+completion is the prompt itself, so it is an exact oracle: a request resumed after k delivered
+tokens continues with the prompt's character k. A chat echoes its last message. Fault switches
+for tests and chaos runs come from the child's environment (set through the spec's `env`):
 
 * ENGINED_ECHO_LOAD_S=SECONDS  — take this long to "load" (reported as progress phases)
 * ENGINED_ECHO_FAIL=build      — the build raises (a crash: exit 1, restarted with backoff)
@@ -28,7 +26,6 @@ from typing import TYPE_CHECKING, Callable
 
 from engined.engine.backend import (
     Admission,
-    Backend,
     Delta,
     Emit,
     EngineConfigError,
@@ -39,30 +36,9 @@ from engined.engine.backend import (
 )
 
 if TYPE_CHECKING:
-    from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory
+    from engined.engine.protocol import ChatMessage, GpuMemory
 
-BACKENDS = ("transformers", "vllm")
 MAX_ECHO_PROMPT = 1 << 20
-
-
-def build_backend(config: EngineConfig, progress: ProgressFn) -> Backend:
-    """Dispatch on the model source and the backend; heavy imports happen only in the branch
-    that needs them."""
-    if config.model == "builtin:echo":
-        return EchoBackend.build(progress)
-    if config.model.startswith("builtin:") and config.model != "builtin:tiny-llama":
-        raise EngineConfigError(f"unknown builtin model {config.model!r}")
-    if config.backend == "vllm":
-        from engined.engine.vllm_backend import build_vllm_backend
-
-        return build_vllm_backend(config, progress)
-    if config.backend != "transformers":
-        raise EngineConfigError(f"unknown backend {config.backend!r} (known: "
-                                f"{', '.join(BACKENDS)})")
-    from engined.engine.llm import build_hf_backend  # torch and transformers load here only
-
-    return build_hf_backend(config, progress)
-
 
 class _Echo:
     def __init__(self, request: Admission, source: list[int], start: int) -> None:
