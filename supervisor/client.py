@@ -60,11 +60,3 @@ def request(socket_path: str, method: str, path: str, body: Any = None,
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:
         resp.close()
-
-
-def get_json(socket_path: str, path: str, timeout_s: float | None = 30.0) -> Any:
-    """GET a JSON document; raises RuntimeError naming the status for anything but 200."""
-    status, _, raw = request(socket_path, "GET", path, timeout_s=timeout_s)
-    if status != 200:
-        raise RuntimeError(f"GET {path} -> {status}: {raw[:300]!r}")
-    return json.loads(raw)

@@ -20,11 +20,13 @@ from aiohttp import web
 
 from engined.engine import protocol as proto
 from engined.supervisor import __version__
+from engined.supervisor import request_fields as fields
 from engined.supervisor.events import EventLog
-from engined.supervisor.fleet import Fleet, NoEngineReady, UnknownEngine
-from engined.supervisor.ipc import EngineChannels, RequestFailed, new_request_id
+from engined.supervisor.fleet import Fleet, UnknownEngine
+from engined.supervisor.ipc import EngineChannels, RequestFailed, RequestStream, new_request_id
 from engined.supervisor.reload import ReloadRejected
 from engined.supervisor.replica import Replica
+from engined.supervisor.routing import Lease, NoReplica, Router
 from engined.supervisor.sampler import Sample, Sampler
 from engined.supervisor.state import EngineState
 from engined.supervisor.view import EngineView
@@ -34,23 +36,26 @@ log = logging.getLogger("engined.control")
 
 MAX_BODY_BYTES = 64 * 1024
 DEFAULT_WAIT_S = 120.0
-MAX_PROMPT_CHARS = 32 * 1024
+GENERATE_MAX_TOKENS = 64  # POST /v1/generate's default token budget
 
 
 class ControlContext:
     """What the routes need; built once by the daemon."""
 
-    def __init__(self, fleet: Fleet, channels: EngineChannels, sampler: Sampler,
-                 config_path: str, reload: Callable[[], Awaitable[dict]] | None = None) -> None:
+    def __init__(self, fleet: Fleet, router: Router, channels: EngineChannels, sampler: Sampler,
+                 events: EventLog, config_path: str,
+                 reload: Callable[[], Awaitable[dict]] | None = None,
+                 fork_servers: Callable[[], list[dict[str, Any]]] = list) -> None:
         self.fleet = fleet
+        self.router = router
         self.channels = channels
         self.sampler = sampler
+        self.events = events  # state transitions (published by the replicas)
         self.config_path = config_path
         self.reload = reload
+        self.fork_servers = fork_servers  # the launcher's
         self.started = time.time()
         self.generation = 1
-        self.fork_servers: Callable[[], list[dict[str, Any]]] = list  # the launcher's
-        self.events = EventLog()  # state transitions (the daemon publishes them)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -136,62 +141,23 @@ async def _write_line(response: web.StreamResponse, data: dict[str, Any]) -> boo
 
 def generate_request(body: dict[str, Any]) -> proto.GenerateRequest:
     """`POST /v1/generate`'s body as the engine protocol's request; HTTPBadRequest names what is
-    wrong. `prompt` (text) or `messages` (a chat), max_tokens, temperature (0: greedy, the
-    default), top_p, seed, stop (a string or a list), stream."""
-    prompt, messages = body.get("prompt"), body.get("messages")
-    if prompt is not None and messages is not None:
+    wrong. `prompt` (text or token ids) or `messages` (a chat), max_tokens (default 64),
+    temperature (default 0: greedy), top_p, seed, stop (a string or a list), stream: the
+    gateway's fields and limits (supervisor.request_fields)."""
+    if body.get("prompt") is not None and body.get("messages") is not None:
         raise web.HTTPBadRequest(reason="give either 'prompt' or 'messages' (a chat), not both")
-    chat = None
-    if messages is None:
-        _check_text(prompt, "prompt")
-    else:
-        if not isinstance(messages, list) or not messages or len(messages) > 256:
-            raise web.HTTPBadRequest(reason="'messages' must be a non-empty list (at most 256)")
-        chat = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or set(m) != {"role", "content"} \
-                    or m["role"] not in ("system", "user", "assistant"):
-                raise web.HTTPBadRequest(reason=f"'messages[{i}]' must be {{role: system|user|"
-                                                f"assistant, content: TEXT}}")
-            _check_text(m["content"], f"messages[{i}].content", empty_ok=True)
-            chat.append(proto.ChatMessage(m["role"], m["content"]))
-    stop = body.get("stop", [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 8 or not all(
-            isinstance(x, str) and 0 < len(x) <= 256 and _is_unicode(x) for x in stop):
-        raise web.HTTPBadRequest(reason="'stop' must be a string or a list of at most 8 "
-                                        "non-empty strings")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not 0 <= seed < 2**63):
-        raise web.HTTPBadRequest(reason="'seed' must be a non-negative integer or null")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise web.HTTPBadRequest(reason="'stream' must be true or false")
-    sampling = proto.Sampling(max_tokens=int(_number(body, "max_tokens", 64, 1, 65536)),
-                              temperature=_number(body, "temperature", 0.0, 0, 2),
-                              top_p=_number(body, "top_p", 1.0, 1e-9, 1), seed=seed, stop=stop)
-    return proto.GenerateRequest(new_request_id(), prompt=prompt or "", messages=chat,
-                                 sampling=sampling, stream=stream)
-
-
-def _check_text(value: Any, name: str, empty_ok: bool = False) -> None:
-    if not isinstance(value, str) or (not value and not empty_ok) \
-            or len(value) > MAX_PROMPT_CHARS:
-        raise web.HTTPBadRequest(reason=f"'{name}' must be a {'' if empty_ok else 'non-empty '}"
-                                        f"string of at most {MAX_PROMPT_CHARS} characters")
-    if not _is_unicode(value):
-        raise web.HTTPBadRequest(reason=f"'{name}' must be valid Unicode (JSON allows lone "
-                                        "surrogate escapes such as \\ud800; text cannot hold "
-                                        "them)")
-
-
-def _is_unicode(text: str) -> bool:
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+        if body.get("messages") is None:
+            prompt, prompt_ids = fields.prompt(body.get("prompt"))
+            chat = None
+        else:
+            prompt, prompt_ids, chat = "", None, fields.messages(body["messages"])
+        sampling = fields.sampling(body, "max_tokens", GENERATE_MAX_TOKENS, 0.0)
+        stream = fields.stream(body)
+    except fields.BadField as exc:
+        raise web.HTTPBadRequest(reason=exc.message) from None
+    return proto.GenerateRequest(new_request_id(), prompt=prompt, prompt_ids=prompt_ids,
+                                 messages=chat, sampling=sampling, stream=stream)
 
 
 def _number(body: dict, key: str, default: float, low: float, high: float) -> float:
@@ -294,31 +260,55 @@ class _Routes:
         gen = generate_request(body)  # raises HTTPBadRequest naming the field
         timeout_s = _number(body, "timeout_s", 300, 0.001, 3600)
         started = time.monotonic()
-        fleet, channels = self.ctx.fleet, self.ctx.channels
-        if gen.stream:
-            return await self._generate_stream(request, gen, engine, timeout_s, started)
         try:
-            result = await fleet.generate(channels, gen, engine, timeout_s)
+            lease, stream = self._open(engine, gen)
         except UnknownEngine as exc:
             return _error(404, str(exc))
-        except (NoEngineReady, RequestFailed) as exc:
+        except (NoReplica, RequestFailed) as exc:
             return _error(503, str(exc))
+        try:
+            if gen.stream:
+                return await self._generate_stream(request, lease, stream, timeout_s, started)
+            return await self._generate_whole(lease, stream, timeout_s, started)
+        finally:
+            stream.close()
+            self.ctx.router.release(lease)
+
+    def _open(self, engine: str | None, gen: proto.GenerateRequest) -> tuple[Lease,
+                                                                               RequestStream]:
+        """A replica of `engine` (a replica, a group; any when None) chosen by the router, and
+        the request sent to it."""
+        fleet, router = self.ctx.fleet, self.ctx.router
+        replicas = fleet.resolve(engine) if engine else list(fleet.replicas.values())
+        lease = router.lease_for(replicas, engine, explicit=engine in fleet.replicas)
+        try:
+            return lease, self.ctx.channels.open(lease.incarnation.address, gen,
+                                                 wake=router.peers(lease))
+        except RequestFailed:
+            router.release(lease)
+            raise
+
+    async def _generate_whole(self, lease: Lease, stream: RequestStream, timeout_s: float,
+                              started: float) -> web.Response:
+        replica = lease.replica
+        try:
+            result = await stream.result(timeout_s)
+        except asyncio.TimeoutError:
+            replica.count_request("timeout")
+            return _error(503, f"{replica.name} did not answer within {timeout_s:g}s")
+        except RequestFailed as exc:
+            replica.count_request("error")
+            return _error(503, str(exc))
+        replica.count_request("ok" if result.error is None else "error")
         if result.error is not None:
             return _error(400 if result.rejected else 503, f"{result.engine}: {result.error}")
         return web.json_response({**_result_fields(result), "text": result.text,
                                   "total_s": time.monotonic() - started})
 
-    async def _generate_stream(self, request: web.Request, gen: proto.GenerateRequest,
-                               engine: str | None, timeout_s: float,
-                               started: float) -> web.StreamResponse:
+    async def _generate_stream(self, request: web.Request, lease: Lease, stream: RequestStream,
+                               timeout_s: float, started: float) -> web.StreamResponse:
         """NDJSON: one `{"text", "token_ids"}` line per chunk as tokens come, then a last line
         with `"done": true` and usage (or `{"error": ...}`)."""
-        try:
-            replica, stream = self.ctx.fleet.open_request(self.ctx.channels, gen, engine)
-        except UnknownEngine as exc:
-            return _error(404, str(exc))
-        except (NoEngineReady, RequestFailed) as exc:
-            return _error(503, str(exc))
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         outcome = "error"
         try:
@@ -342,15 +332,14 @@ class _Routes:
                 break
         except asyncio.TimeoutError:
             outcome = "timeout"
-            await _write_line(response, {"error": f"{replica.name} did not finish within "
+            await _write_line(response, {"error": f"{lease.replica.name} did not finish within "
                                                   f"{timeout_s:g}s"})
         except RequestFailed as exc:
             await _write_line(response, {"error": str(exc)})
         except (ConnectionResetError, StopAsyncIteration):
             outcome = "error"  # the client went away (the stream's close aborts the request)
         finally:
-            stream.close()
-            replica.count_request(outcome)
+            lease.replica.count_request(outcome)
         return response
 
     async def reload(self, request: web.Request) -> web.Response:

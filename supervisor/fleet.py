@@ -1,5 +1,6 @@
 """The fleet: every replica and its group, name resolution (replica, group, `all`), operator
-commands, reload, shutdown, and the read-only view everything else reports from."""
+commands, rolling restarts, reload, shutdown, the messages of every child (by the address they
+carry), and the read-only view everything else reports from."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ from typing import Callable
 
 from engined.engine import protocol as proto
 from engined.supervisor.clock import Clock
-from engined.supervisor.groups import Gang, Owner, ReplicaGroup
-from engined.supervisor.ipc import EngineChannels, RequestFailed, RequestStream, RequestTimeout
+from engined.supervisor.groups import Gang, Group, ReplicaGroup
 from engined.supervisor.policy import Reason
 from engined.supervisor.reload import ReloadPlan
-from engined.supervisor.replica import Replica
-from engined.supervisor.rollout import roll
+from engined.supervisor.replica import AddressBook, Owner, Replica
+from engined.supervisor.rollout import Rollout
+from engined.supervisor.routing import Router
 from engined.supervisor.spec import EngineSpec, FleetSpec
 from engined.supervisor.state import EngineState
 from engined.supervisor.view import FleetView
+from engined.supervisor.worker import supervise
 
 log = logging.getLogger("engined.fleet")
 
@@ -38,21 +40,18 @@ class UnknownEngine(KeyError):
         return f"unknown engine {self.name!r}"
 
 
-class NoEngineReady(Exception):
-    pass
-
-
 class Fleet:
     def __init__(self, spec: FleetSpec, make_replica: MakeReplica, clock: Clock,
-                 rng: random.Random | None = None,
-                 in_flight: Callable[[str], int] = lambda name: 0) -> None:
+                 router: Router, addresses: AddressBook,
+                 rng: random.Random | None = None) -> None:
         self.spec = spec
-        self.in_flight = in_flight  # requests on a replica now (a rollout drains them)
+        self.router = router  # a rollout drains through it
+        self.addresses = addresses  # the replicas bind their children's addresses in it
         self._rollouts: dict[str, asyncio.Task[None]] = {}
         self.make_replica = make_replica
         self.clock = clock
         self.rng = rng or random.Random()
-        self.groups: dict[str, Owner] = {}
+        self.groups: dict[str, Group] = {}
         self.replicas: dict[str, Replica] = {}
         for engine in spec.engines:
             self.replicas[engine.name] = make_replica(engine, self._group_for(engine))
@@ -67,6 +66,10 @@ class Fleet:
 
     def counts(self) -> tuple[int, int]:
         return self.view().counts()
+
+    def starting(self) -> int:
+        """Replicas STARTING: children that still have their ZeroMQ connections to open."""
+        return sum(1 for r in self.replicas.values() if r.state is EngineState.STARTING)
 
     # --- lookup ------------------------------------------------------------------------------
     def resolve(self, name: str) -> list[Replica]:
@@ -118,8 +121,9 @@ class Fleet:
         if isinstance(owner, ReplicaGroup):
             for member in members:
                 owner.forget(member)
-        task = asyncio.get_running_loop().create_task(
-            roll(self, group, members, reason, self.in_flight), name=f"rollout:{group}")
+        rollout = Rollout(self.router, group, members, reason,
+                          lambda k: self.add_surge(group, k), self.retire_surge)
+        task = asyncio.get_running_loop().create_task(rollout.run(), name=f"rollout:{group}")
         self._rollouts[group] = task
         task.add_done_callback(lambda t: self._rollouts.get(group) is t
                                and self._rollouts.pop(group))
@@ -137,7 +141,7 @@ class Fleet:
         engine = dataclasses.replace(template, name=f"{group}+{index}", rank=0)
         replica = self.make_replica(engine, self.groups[group])
         self.replicas[engine.name] = replica
-        replica.start_supervising()
+        supervise(replica)
         return replica
 
     def retire_surge(self, replica: Replica) -> None:
@@ -148,7 +152,7 @@ class Fleet:
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         for replica in self.replicas.values():
-            replica.start_supervising()
+            supervise(replica)
 
     async def shutdown(self, deadline_s: float | None = None) -> None:
         """Stop every engine in parallel under one shared deadline."""
@@ -196,9 +200,9 @@ class Fleet:
             elif members:
                 self.roll(owner.name, members, Reason.RELOAD)
         for replica in added:
-            replica.start_supervising()
+            supervise(replica)
 
-    def _group_for(self, engine: EngineSpec) -> Owner:
+    def _group_for(self, engine: EngineSpec) -> Group:
         owner = self.groups.get(engine.group)
         kind = Gang if engine.data_parallel else ReplicaGroup
         if not isinstance(owner, kind):
@@ -242,64 +246,11 @@ class Fleet:
     # --- messages ----------------------------------------------------------------------------
     def on_message(self, msg: proto.ChildMessage) -> str | None:
         """Route a child's message to its replica; a drop reason if it has none."""
-        replica = self.replicas.get(msg.engine) or self.retiring.get(msg.engine)
+        replica = (self.addresses.owner((msg.engine, msg.incarnation))
+                   or self.replicas.get(msg.engine) or self.retiring.get(msg.engine))
         if replica is None:
             return "unknown_engine"
-        if replica.on_message(msg):
-            return None
-        # a child promoted from a standby speaks under the standby's name and incarnation
-        address = (msg.engine, msg.incarnation)
-        adopter = next((r for r in self.replicas.values() if r.address == address
-                        and r is not replica), None)
-        return None if adopter is not None and adopter.on_message(msg) else "stale"
-
-    # --- requests ----------------------------------------------------------------------------
-    def pick_engine(self, name: str | None, channels: EngineChannels) -> Replica:
-        """A READY replica, the least loaded first, round-robin among equals."""
-        named = self.resolve(name) if name else list(self.replicas.values())
-        named = [r for r in named if not r.standby] or named  # a standby is asked for by name
-        candidates = [r for r in named if not r.spec.is_command]
-        if named and not candidates:
-            raise NoEngineReady(f"{name!r} is a command engine (a server of its own): send its "
-                                f"requests to its port, or through the gateway (openai: true)")
-        ready = [r for r in candidates if r.state is EngineState.READY]
-        if not ready:
-            raise NoEngineReady(f"no READY engine{' in ' + repr(name) if name else ''}")
-        self._rr += 1
-        load = {r.name: channels.in_flight(r.address[0]) for r in ready}
-        least = min(load.values())
-        choices = [r for r in ready if load[r.name] == least]
-        return choices[self._rr % len(choices)]
-
-    def open_request(self, channels: EngineChannels, request: proto.GenerateRequest,
-                     engine: str | None) -> tuple[Replica, RequestStream]:
-        """Send `request` to a READY replica (of `engine`, else any); its events come on the
-        stream. Raises UnknownEngine, NoEngineReady, RequestFailed."""
-        replica = self.pick_engine(engine, channels)
-        owner = self.groups[replica.spec.group]
-        if isinstance(owner, Gang):  # its peers must join the lockstep step: wake them now
-            for peer in owner.members:
-                if peer is not replica and peer.state is EngineState.READY:
-                    channels.wake(*peer.address)
-        return replica, channels.open(*replica.address, request)
-
-    async def generate(self, channels: EngineChannels, request: proto.GenerateRequest,
-                       engine: str | None, timeout_s: float) -> proto.GenerateResult:
-        """One request, not streamed; counted by outcome on the replica that served it."""
-        replica, stream = self.open_request(channels, request, engine)
-        try:
-            result = await stream.result(timeout_s)
-        except asyncio.TimeoutError:
-            replica.count_request("timeout")
-            raise RequestTimeout(f"{replica.name} did not answer within {timeout_s:g}s") \
-                from None
-        except RequestFailed:
-            replica.count_request("error")
-            raise
-        finally:
-            stream.close()
-        replica.count_request("ok" if result.error is None else "error")
-        return result
+        return None if replica.on_message(msg) else "stale"
 
 
-__all__ = ["Fleet", "UnknownEngine", "NoEngineReady", "RequestFailed"]
+__all__ = ["Fleet", "UnknownEngine"]

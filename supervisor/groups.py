@@ -21,6 +21,7 @@ import random
 import socket
 from dataclasses import dataclass
 
+from engined.supervisor.history import Down, SpawnFailure
 from engined.supervisor.policy import (
     Action,
     Decision,
@@ -30,8 +31,7 @@ from engined.supervisor.policy import (
     decide,
     decide_spawn_failure,
 )
-from engined.supervisor.replica import Down, Replica, SpawnFailure
-from engined.supervisor.state import EngineState
+from engined.supervisor.replica import Replica
 
 log = logging.getLogger("engined.group")
 
@@ -71,7 +71,7 @@ class ReplicaGroup:
             decision = dataclasses.replace(decision, why=f"exit 78: {down.config_error}")
         spare = self._spare_for(replica) if decision.action is Action.RESTART else None
         log.warning("[exit] %s pid %d %s (reason %s): %s", replica.name, down.pid,
-                    down.description, down.reason.value,
+                    down.headline, down.reason.value,
                     f"promoting standby {spare.name}" if spare else describe(decision))
         if spare is not None:
             replica.promote(spare, down.reason)
@@ -80,11 +80,10 @@ class ReplicaGroup:
 
     def _spare_for(self, replica: Replica) -> Replica | None:
         """A READY standby to take over a serving replica that died (restarts as usual when
-        none is ready: the standby is still building, or there is none)."""
+        none is ready: the standby is still building, in its cleanup, or there is none)."""
         if replica.standby or not replica.wanted:
             return None
-        return next((m for m in self.members if m.standby and m.wanted and m.pid is not None
-                     and m.state is EngineState.READY), None)
+        return next((m for m in self.members if m.promotable), None)
 
     def on_spawn_failed(self, replica: Replica, failure: SpawnFailure) -> None:
         spec = replica.spec
@@ -150,7 +149,7 @@ class Gang:
         else:
             own = Reason.GROUP
         log.warning("[exit] %s pid %d %s (reason %s): waiting for its group", replica.name,
-                    down.pid, down.description, own.value)
+                    down.pid, down.headline, own.value)
         self._held[replica.name] = own
         replica.hold(own)
         self._maybe_respawn()
@@ -224,4 +223,4 @@ class Gang:
         self._held.pop(replica.name, None)
 
 
-Owner = ReplicaGroup | Gang
+Group = ReplicaGroup | Gang  # the owner of a group's replicas

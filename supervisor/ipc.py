@@ -17,13 +17,14 @@ import itertools
 import logging
 import os
 import time
-from typing import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
 import zmq
 
 from engined.engine import protocol as proto
 from engined.engine.contract import control_endpoint, request_endpoint, routing_id
+from engined.supervisor.notices import Lost
 
 log = logging.getLogger("engined.ipc")
 
@@ -63,7 +64,6 @@ class EngineChannels:
         self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error, not a drop
         self.dropped: collections.Counter[str] = collections.Counter()
         self._streams: dict[str, RequestStream] = {}
-        self._in_flight: collections.Counter[str] = collections.Counter()  # engine -> streams
         self._last_log = 0.0
         self._control_fd = -1
         self._requests_fd = -1
@@ -189,22 +189,22 @@ class EngineChannels:
         stream.put(msg)
 
     # --- requests ----------------------------------------------------------------------------
-    def open(self, engine: str, incarnation: int,
-             request: proto.GenerateRequest) -> RequestStream:
+    def open(self, address: tuple[str, int], request: proto.GenerateRequest,
+             wake: Iterable[tuple[str, int]] = ()) -> RequestStream:
         """Send `request` to one incarnation; its chunks and result arrive on the stream.
-        Raises RequestFailed if it cannot be sent."""
+        `wake`: data-parallel peers that must join its step. Raises RequestFailed if it cannot
+        be sent."""
+        for peer in wake:
+            self.wake(*peer)
+        engine, incarnation = address
         stream = RequestStream(self, engine, incarnation, request.id)
         self._send(routing_id(engine, incarnation), proto.encode(request))
         self._streams[request.id] = stream
-        self._in_flight[engine] += 1
         return stream
 
     def _close(self, stream: RequestStream) -> None:
         if self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
-            self._in_flight[stream.engine] -= 1
-            if self._in_flight[stream.engine] <= 0:
-                del self._in_flight[stream.engine]
             if not stream.finished:  # the client went away: the engine stops generating it
                 self.abort(stream.engine, stream.incarnation, stream.id)
 
@@ -213,17 +213,6 @@ class EngineChannels:
             self._send(routing_id(engine, incarnation), proto.encode(proto.Abort(request_id)))
         except RequestFailed:
             pass  # gone: nothing to abort
-
-    async def generate(self, engine: str, incarnation: int, request: proto.GenerateRequest,
-                       timeout_s: float) -> proto.GenerateResult:
-        """One request, not streamed: its result (RequestFailed / RequestTimeout otherwise)."""
-        stream = self.open(engine, incarnation, request)
-        try:
-            return await stream.result(timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestTimeout(f"{engine} did not answer within {timeout_s:g}s") from None
-        finally:
-            stream.close()
 
     def _send(self, identity: bytes, frame: bytes) -> None:
         # A READY engine is routable (its READY came through this socket); an unreachable one
@@ -244,14 +233,12 @@ class EngineChannels:
             pass  # not routable (yet): it joins at the end of its idle poll
         self._kick()
 
-    def fail_engine(self, engine: str, incarnation: int, reason: str) -> None:
-        """The engine's incarnation is gone: fail its in-flight requests now, not at timeout."""
+    def on_lost(self, lost: Lost) -> None:
+        """An incarnation is gone: fail its in-flight requests now, not at their timeout."""
+        engine, incarnation = lost.address
         for stream in list(self._streams.values()):
             if stream.engine == engine and stream.incarnation == incarnation:
-                stream.fail(EngineLost(f"{engine} {reason}", engine, reason))
-
-    def in_flight(self, engine: str) -> int:
-        return self._in_flight[engine]
+                stream.fail(EngineLost(f"{engine} {lost.why}", engine, lost.why))
 
 
 class EngineLost(RequestFailed):

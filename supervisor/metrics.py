@@ -21,7 +21,7 @@ from prometheus_client.core import (
 from engined.supervisor import __version__
 from engined.supervisor.gateway.app import OUTCOMES as GATEWAY_OUTCOMES
 from engined.supervisor.gateway.app import GatewayStats
-from engined.supervisor.loop import LoopMonitor
+from engined.supervisor.loopmonitor import LoopMonitor
 from engined.supervisor.policy import Reason
 from engined.supervisor.sampler import Sample
 from engined.supervisor.state import EngineState

@@ -11,23 +11,20 @@ An engine stopped on purpose (`enginectl stop`) is not expected to run and never
 
 from __future__ import annotations
 
-from typing import Callable
-
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engined.supervisor.fleet import Fleet
 from engined.supervisor.gateway.app import Gateway
 from engined.supervisor.ipc import EngineChannels
-from engined.supervisor.loop import LoopMonitor
+from engined.supervisor.loopmonitor import LoopMonitor
 from engined.supervisor.metrics import FleetCollector, make_registry, render
 from engined.supervisor.sampler import Sampler
 
 
-class MetricsEndpoint:
+class MonitoringEndpoint:
     def __init__(self, fleet: Fleet, channels: EngineChannels, sampler: Sampler,
-                 monitor: LoopMonitor,
-                 gateway: Callable[[], Gateway | None] = lambda: None) -> None:
+                 monitor: LoopMonitor, gateway: Gateway | None = None) -> None:
         self.fleet, self.channels, self.sampler, self.monitor = fleet, channels, sampler, monitor
         self.gateway = gateway
         self.collector = FleetCollector()
@@ -44,7 +41,7 @@ class MetricsEndpoint:
     async def metrics(self, request: web.Request) -> web.Response:
         views = self.fleet.view().engines
         sample = await self.sampler.sample([v.pid for v in views if v.pid is not None])
-        gateway = self.gateway()
+        gateway = self.gateway
         self.collector.update(views, sample, self.channels.dropped, self.monitor,
                               gateway.stats if gateway else None)
         body = render(self.registry)  # on the loop: the handles are the loop's, not a thread's

@@ -13,6 +13,7 @@ import math
 import os
 import signal
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from engined.engine.contract import EXIT_CONFIG
 from engined.supervisor.spec import BackoffSpec, StartLimitSpec
@@ -34,10 +35,13 @@ class Reason(enum.Enum):
 
 @dataclass(frozen=True)
 class ExitStatus:
-    """How a child ended: exactly one of `code` and `signal` is set."""
+    """How a child ended: exactly one of `code` and `signal` is set, or neither when the status
+    is unknown (`UNKNOWN`: the child was reaped by someone else), which is never a clean exit."""
 
     code: int | None = None
     signal: int | None = None
+
+    UNKNOWN: ClassVar[ExitStatus]
 
     @classmethod
     def from_wait_status(cls, status: int) -> ExitStatus:
@@ -70,9 +74,14 @@ class ExitStatus:
             return f"killed by {self.signal_name}{hint}"
         if self.code == EXIT_CONFIG:
             return "exit 78 (invalid engine config or model)"
+        if self.code is None:
+            return "exit status unknown (reaped elsewhere)"
         if self.signal_name is not None:
             return f"exit {self.code} (terminated by {self.signal_name} after cleanup)"
         return f"exit {self.code}"
+
+
+ExitStatus.UNKNOWN = ExitStatus()
 
 
 def exit_reason(status: ExitStatus, killed_for: Reason | None = None) -> Reason:

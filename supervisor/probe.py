@@ -1,7 +1,7 @@
 """Watching a command engine (a server engined did not write) from outside: probes and progress.
 
 engined's own engines tell it they are READY and heartbeat their busy loop's progress. A server
-such as `vllm serve` does neither, so a `CommandWatch` per incarnation asks instead, and speaks
+such as `vllm serve` does neither, so a `Prober` per incarnation asks instead, and speaks
 for it in the same terms the lifecycle already understands:
 
 - **probe** (`probe: {path, interval, timeout, failures}`): an HTTP GET on the replica's port,
@@ -29,7 +29,7 @@ import aiohttp
 
 from engined.engine import protocol as proto
 from engined.supervisor.clock import Clock
-from engined.supervisor.loop import LoopMonitor
+from engined.supervisor.loopmonitor import LoopMonitor
 from engined.supervisor.spec import EngineSpec
 
 log = logging.getLogger("engined.probe")
@@ -108,7 +108,7 @@ class _Progress:
     iteration: int = 0
 
 
-class CommandWatch:
+class Prober:
     """Probes (and progress checks) of one incarnation of a command engine."""
 
     def __init__(self, spec: EngineSpec, incarnation: int, port: int, client: ProbeClient,

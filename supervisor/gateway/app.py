@@ -33,9 +33,10 @@ from engined.supervisor.gateway.openai import (
     parse_completion,
 )
 from engined.supervisor.gateway.relay import Done, Piece, Relay
-from engined.supervisor.gateway.router import Router
+from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.ipc import EngineChannels
-from engined.supervisor.loop import LagHistogram
+from engined.supervisor.loopmonitor import LagHistogram
+from engined.supervisor.routing import Closing, QueueFull, Router, UnknownModel
 
 log = logging.getLogger("engined.gateway")
 
@@ -95,11 +96,11 @@ class ApiKey:
 
 
 class Gateway:
-    def __init__(self, router: Router, channels: EngineChannels, api_key: ApiKey,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.router, self.channels, self.api_key, self.clock = router, channels, api_key, clock
+    def __init__(self, router: Router, channels: EngineChannels, upstream: Upstream,
+                 api_key: ApiKey, clock: Callable[[], float] = time.monotonic) -> None:
+        self.router, self.api_key, self.clock = router, api_key, clock
         self.stats = GatewayStats()
-        self.relay = Relay(router, channels, clock, on_move=self._moved)
+        self.relay = Relay(router, channels, upstream, clock, on_move=self._moved)
         self.active = 0  # requests in flight (shutdown drains them)
         self._idle = asyncio.Event()
         self._idle.set()
@@ -166,13 +167,21 @@ class Gateway:
 
     async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
         rid = request["request_id"]
-        group = self.router.group_of(job.model)  # 404 for a model nobody serves
+        try:
+            group = self.router.group_of(job.model)
+        except UnknownModel as exc:
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
         started = self.clock()
         try:
-            self.router.admit(group)  # 429 past queue_limit, 503 while shutting down
-        except ApiError:
+            self.router.admit(group)
+        except QueueFull as exc:
             self.stats.requests[(job.model, "rejected")] += 1
-            raise
+            raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        except Closing as exc:
+            self.stats.requests[(job.model, "rejected")] += 1
+            raise ApiError(503, str(exc), kind="server_error",
+                           headers={"Retry-After": "5"}) from None
         self.active += 1
         self._idle.clear()
         spec = self.router.spec_of(group)

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from engined.engine import protocol as proto
+from engined.supervisor import request_fields as fields
 
-MAX_PROMPT_CHARS = 1 << 20
-MAX_TOKENS_LIMIT = 1 << 20
 MAX_TOKENS_DEFAULT_COMPLETION = 16  # OpenAI's
 MAX_TOKENS_DEFAULT_CHAT = 1024
-MAX_STOP = 4  # OpenAI's
+TEMPERATURE_DEFAULT = 1.0  # OpenAI's
 
 
 class ApiError(Exception):
@@ -75,18 +74,34 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "t
 
 
 def parse_completion(body: dict[str, Any]) -> Job:
+    """A completion request; ApiError 400 naming the field."""
+    try:
+        return _completion(body)
+    except fields.BadField as exc:
+        raise bad(exc.param, exc.message) from None
+
+
+def parse_chat(body: dict[str, Any]) -> Job:
+    """A chat completion request; ApiError 400 naming the field."""
+    try:
+        return _chat(body)
+    except fields.BadField as exc:
+        raise bad(exc.param, exc.message) from None
+
+
+def _completion(body: dict[str, Any]) -> Job:
     _known(body, COMPLETION_FIELDS)
     model = _model(body)
     for field_, ok in (("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, ""))):
         if body.get(field_) not in ok:
             raise bad(field_, f"'{field_}' is not supported")
-    prompt, prompt_ids = _prompt(body.get("prompt"))
+    prompt, prompt_ids = fields.prompt(body.get("prompt"))
     return Job("completion", model, prompt, prompt_ids, None,
                _sampling(body, MAX_TOKENS_DEFAULT_COMPLETION, "max_tokens"),
-               _stream(body), _include_usage(body))
+               fields.stream(body), _include_usage(body))
 
 
-def parse_chat(body: dict[str, Any]) -> Job:
+def _chat(body: dict[str, Any]) -> Job:
     _known(body, CHAT_FIELDS)
     model = _model(body)
     for field_ in ("tools", "functions", "tool_choice", "function_call", "top_logprobs"):
@@ -95,10 +110,10 @@ def parse_chat(body: dict[str, Any]) -> Job:
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
-    messages = _messages(body.get("messages"))
+    messages = fields.messages(body.get("messages"))
     limit_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     return Job("chat", model, "", None, messages,
-               _sampling(body, MAX_TOKENS_DEFAULT_CHAT, limit_key), _stream(body),
+               _sampling(body, MAX_TOKENS_DEFAULT_CHAT, limit_key), fields.stream(body),
                _include_usage(body))
 
 
@@ -115,57 +130,8 @@ def _model(body: dict[str, Any]) -> str:
     return model
 
 
-def _prompt(value: Any) -> tuple[str, list[int] | None]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one
-    if isinstance(value, str):
-        if not value:
-            raise bad("prompt", "'prompt' must not be empty")
-        if len(value) > MAX_PROMPT_CHARS or not _unicode(value):
-            raise bad("prompt", "'prompt' is too long or not valid Unicode")
-        return value, None
-    if isinstance(value, list) and value and all(type(i) is int for i in value):
-        if len(value) > MAX_PROMPT_CHARS or any(i < 0 for i in value):
-            raise bad("prompt", "'prompt' token ids must be non-negative integers")
-        return "", list(value)
-    if isinstance(value, list) and len(value) > 1:
-        raise bad("prompt", "a batch of prompts is not supported: send one request per prompt")
-    raise bad("prompt", "'prompt' must be a string or a list of token ids")
-
-
-def _messages(value: Any) -> list[proto.ChatMessage]:
-    if not isinstance(value, list) or not value:
-        raise bad("messages", "'messages' must be a non-empty list")
-    out = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or message.get("role") not in (
-                "system", "developer", "user", "assistant"):
-            raise bad(f"messages[{i}].role", f"messages[{i}] must have a role: system, user "
-                                             "or assistant")
-        content = message.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise bad(f"messages[{i}].content", "only text content parts are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str) or not _unicode(content) \
-                or len(content) > MAX_PROMPT_CHARS:
-            raise bad(f"messages[{i}].content", f"messages[{i}].content must be text")
-        role = "system" if message["role"] == "developer" else message["role"]
-        out.append(proto.ChatMessage(role, content))
-    return out
-
-
-def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise bad(key, f"'{key}' must be a number in [{low:g}, {high:g}]")
-    return float(value)
-
-
 def _sampling(body: dict[str, Any], default_max: int, max_key: str) -> proto.Sampling:
+    """What the engines do not do is refused, never silently ignored."""
     if body.get("n") not in (None, 1):
         raise bad("n", "only n = 1 is supported")
     if body.get("logprobs") not in (None, False, 0):
@@ -175,34 +141,7 @@ def _sampling(body: dict[str, Any], default_max: int, max_key: str) -> proto.Sam
             raise bad(key, f"'{key}' other than 0 is not supported")
     if body.get("logit_bias") not in (None, {}):
         raise bad("logit_bias", "'logit_bias' is not supported")
-    max_tokens = body.get(max_key)
-    if max_tokens is None:
-        max_tokens = default_max
-    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) \
-            or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
-        raise bad(max_key, f"'{max_key}' must be an integer in [1, {MAX_TOKENS_LIMIT}]")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not -(2**63) <= seed < 2**63):
-        raise bad("seed", "'seed' must be an integer")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
-            isinstance(s, str) and s and _unicode(s) for s in stop):
-        raise bad("stop", f"'stop' must be a string or a list of at most {MAX_STOP} strings")
-    return proto.Sampling(max_tokens=max_tokens,
-                          temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                          top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-                          seed=None if seed is None else seed % (2**63), stop=stop)
-
-
-def _stream(body: dict[str, Any]) -> bool:
-    stream = body.get("stream", False)
-    if stream is None:
-        return False
-    if not isinstance(stream, bool):
-        raise bad("stream", "'stream' must be true or false")
-    return stream
+    return fields.sampling(body, max_key, default_max, TEMPERATURE_DEFAULT)
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -213,14 +152,6 @@ def _include_usage(body: dict[str, Any]) -> bool:
                                                         "continuous_usage_stats"}:
         raise bad("stream_options", "'stream_options' may hold include_usage only")
     return bool(options.get("include_usage"))
-
-
-def _unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 # --- answers ----------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from typing import Any
 
 from engined.engine import protocol as proto
 from engined.supervisor.gateway.openai import ApiError, Job, Usage
-from engined.supervisor.gateway.router import Router
 from engined.supervisor.gateway.upstream import Upstream, UpstreamStream
 from engined.supervisor.ipc import (
     EngineChannels,
@@ -29,6 +28,8 @@ from engined.supervisor.ipc import (
     RequestStream,
     new_request_id,
 )
+from engined.supervisor.liveness import Kind
+from engined.supervisor.routing import Lease, NoReplica, Router
 
 log = logging.getLogger("engined.gateway")
 
@@ -49,14 +50,25 @@ class Done:
     moves: int
 
 
+Stream = RequestStream | UpstreamStream
+Opener = Callable[[Lease, Job, str, list[int], dict[str, Any]], Stream]
+
+
 class Relay:
-    def __init__(self, router: Router, channels: EngineChannels,
+    def __init__(self, router: Router, channels: EngineChannels, upstream: Upstream,
                  clock: Callable[[], float],
-                 on_move: Callable[[str], None] = lambda model: None,
-                 upstream: Upstream | None = None) -> None:
-        self.router, self.channels, self.clock = router, channels, clock
+                 on_move: Callable[[str], None] = lambda model: None) -> None:
+        self.router, self.channels, self.upstream, self.clock = router, channels, upstream, clock
         self.on_move = on_move
-        self.upstream = upstream or Upstream()  # command engines' own OpenAI APIs
+        # how a request reaches each kind of engine: engined's own over ZeroMQ, a command
+        # engine's own OpenAI API over HTTP
+        self.openers: dict[Kind, Opener] = {Kind.ENGINE: self._open_engine,
+                                            Kind.COMMAND: upstream.open}
+
+    def _open_engine(self, lease: Lease, job: Job, request_id: str, delivered: list[int],
+                     memo: dict[str, Any]) -> RequestStream:
+        return self.channels.open(lease.incarnation.address, job.request(request_id, delivered),
+                                  wake=self.router.peers(lease))
 
     async def run(self, job: Job, group: str, request_id: str, deadline: float,
                   limit: int) -> AsyncGenerator[Piece | Done, None]:
@@ -66,19 +78,15 @@ class Relay:
         memo: dict[str, Any] = {}  # what an upstream server told about the original prompt
         moves = 0
         while True:
-            replica = await self.router.acquire(group, deadline)
+            lease = await self._acquire(group, deadline)
+            replica = lease.replica
             log.debug("[gateway] %s -> %s incarnation %d", request_id, replica.name,
                       replica.incarnation)
             try:
                 engine_id = new_request_id()  # a fresh id per attempt: never mixed up
                 try:
-                    stream: RequestStream | UpstreamStream
-                    if replica.spec.is_command:
-                        stream = self.upstream.open(replica, job, engine_id, list(delivered),
-                                                    memo)
-                    else:
-                        stream = self.channels.open(*replica.address,
-                                                    job.request(engine_id, list(delivered)))
+                    stream = self.openers[lease.incarnation.kind](lease, job, engine_id,
+                                                                  list(delivered), memo)
                 except RequestFailed as exc:
                     lost: str = str(exc)
                 else:
@@ -107,7 +115,7 @@ class Relay:
                     finally:
                         stream.close()
             finally:
-                self.router.release(replica)
+                self.router.release(lease)
             moves += 1
             if moves > limit:
                 raise ApiError(503, f"the request lost its engine {moves} times "
@@ -118,8 +126,15 @@ class Relay:
                         request_id, lost, moves, limit, len(delivered))
             self.on_move(job.model)
 
+    async def _acquire(self, group: str, deadline: float) -> Lease:
+        try:
+            return await self.router.acquire(group, deadline)
+        except NoReplica as exc:
+            raise ApiError(503, str(exc), kind="server_error", code="no_replica",
+                           headers={"Retry-After": "5"}) from None
 
-async def _until(stream: RequestStream | UpstreamStream, deadline: float,
+
+async def _until(stream: Stream, deadline: float,
                  clock: Callable[[], float]
                  ) -> AsyncIterator[proto.TokenChunk | proto.GenerateResult]:
     """The stream's items, ApiError 503 at the request's deadline."""

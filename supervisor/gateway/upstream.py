@@ -26,7 +26,8 @@ import aiohttp
 from engined.engine import protocol as proto
 from engined.supervisor.gateway.openai import ApiError, Job
 from engined.supervisor.ipc import EngineLost
-from engined.supervisor.replica import Replica
+from engined.supervisor.notices import Lost
+from engined.supervisor.routing import Lease
 
 log = logging.getLogger("engined.gateway")
 
@@ -37,7 +38,7 @@ Item = proto.TokenChunk | proto.GenerateResult
 class Upstream:
     def __init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
-        self._names: dict[tuple[str, int], str] = {}  # (replica, incarnation) -> model name
+        self._names: dict[tuple[str, int], str] = {}  # incarnation's address -> model name
         self._open: set[UpstreamStream] = set()
 
     def session(self) -> aiohttp.ClientSession:
@@ -48,39 +49,39 @@ class Upstream:
                 auto_decompress=False, read_bufsize=1 << 16)
         return self._session
 
-    def open(self, replica: Replica, job: Job, request_id: str, delivered: list[int],
+    def open(self, lease: Lease, job: Job, request_id: str, delivered: list[int],
              memo: dict[str, Any]) -> UpstreamStream:
         """`memo` lives as long as the client request: the original prompt's ids and size."""
-        if replica.port is None:
-            raise EngineLost(f"{replica.name} has no port", replica.name, "has no port")
-        stream = UpstreamStream(self, replica, job, request_id, delivered, memo)
+        name = lease.replica.name
+        if lease.incarnation.port is None:
+            raise EngineLost(f"{name} has no port", name, "has no port")
+        stream = UpstreamStream(self, lease, job, request_id, delivered, memo)
         self._open.add(stream)
         return stream
 
-    def fail(self, engine: str, incarnation: int, why: str) -> None:
+    def on_lost(self, lost: Lost) -> None:
         """The incarnation is gone: end its requests now (a descendant might keep a socket)."""
         for stream in list(self._open):
-            if stream.engine == engine and stream.incarnation == incarnation:
-                stream.lost = f"{engine} {why}"
+            if stream.address == lost.address:
+                stream.lost = f"{stream.engine} {lost.why}"
                 stream.close()
-        for key in [k for k in self._names if k[0] == engine and k[1] <= incarnation]:
-            del self._names[key]
+        self._names.pop(lost.address, None)
 
-    async def model_name(self, replica: Replica, port: int) -> str:
-        key = (replica.name, replica.incarnation)
-        name = self._names.get(key)
+    async def model_name(self, engine: str, address: tuple[str, int], port: int) -> str:
+        """The upstream's own model name (`GET /v1/models`), asked once per incarnation."""
+        name = self._names.get(address)
         if name is None:
             async with self.session().get(f"http://127.0.0.1:{port}/v1/models") as response:
                 if response.status != 200:
-                    raise EngineLost(f"{replica.name}: GET /v1/models: HTTP {response.status}",
-                                     replica.name, "did not list its models")
+                    raise EngineLost(f"{engine}: GET /v1/models: HTTP {response.status}",
+                                     engine, "did not list its models")
                 data = await response.json(content_type=None)
             try:
                 name = str(data["data"][0]["id"])
             except (KeyError, IndexError, TypeError):
-                raise EngineLost(f"{replica.name}: GET /v1/models lists no model",
-                                 replica.name, "lists no model") from None
-            self._names[key] = name
+                raise EngineLost(f"{engine}: GET /v1/models lists no model",
+                                 engine, "lists no model") from None
+            self._names[address] = name
         return name
 
     async def close(self) -> None:
@@ -89,11 +90,12 @@ class Upstream:
 
 
 class UpstreamStream:
-    def __init__(self, upstream: Upstream, replica: Replica, job: Job, request_id: str,
+    def __init__(self, upstream: Upstream, lease: Lease, job: Job, request_id: str,
                  delivered: list[int], memo: dict[str, Any]) -> None:
-        self.upstream, self.replica, self.job, self.id = upstream, replica, job, request_id
-        self.engine, self.incarnation, self.port = replica.name, replica.incarnation, replica.port
-        self.vllm = replica.spec.openai == "vllm"
+        self.upstream, self.job, self.id = upstream, job, request_id
+        self.engine, self.incarnation = lease.replica.name, lease.replica.incarnation
+        self.address, self.port = lease.incarnation.address, lease.incarnation.port
+        self.vllm = lease.replica.spec.openai == "vllm"
         self.delivered, self.memo = list(delivered), memo
         self.lost: str | None = None
         self._response: aiohttp.ClientResponse | None = None
@@ -142,7 +144,7 @@ class UpstreamStream:
     async def _request(self) -> tuple[str, dict[str, Any]]:
         job, sampling = self.job, self.job.sampling
         body: dict[str, Any] = {
-            "model": await self.upstream.model_name(self.replica, self.port or 0),
+            "model": await self.upstream.model_name(self.engine, self.address, self.port or 0),
             "max_tokens": sampling.max_tokens - len(self.delivered),
             "temperature": sampling.temperature, "top_p": sampling.top_p,
             "stream": True, "stream_options": {"include_usage": True}}

@@ -44,7 +44,7 @@ def open_fds() -> int | None:
         return None
 
 
-class FdBudget:
+class FdReserve:
     """Whether a spawn or a connection fits above the reserve, judged at that moment."""
 
     def __init__(self, starting_children: Callable[[], int]) -> None:

@@ -34,13 +34,8 @@ from typing import Any, Mapping
 from engined.engine.contract import ENV_CONFIG, ENV_OWNER
 from engined.engine.forkserver import CHANNEL_FD, MAX_MESSAGE, PRELOADS
 from engined.engine.protocol import EngineConfig
-from engined.supervisor.launcher import (
-    Child,
-    ChildWatcher,
-    ExecLauncher,
-    ExitRecord,
-    child_environment,
-)
+from engined.supervisor.host.exits import ChildWatcher, ExitRecord
+from engined.supervisor.host.launcher import Child, ExecLauncher, child_environment
 from engined.supervisor.spec import EngineSpec
 
 log = logging.getLogger("engined.forkserver")
@@ -219,6 +214,11 @@ class ForkServerLauncher:
         self.closing = False
         self._replacing: set[asyncio.Task[None]] = set()
 
+    async def start(self, spec: EngineSpec, config: EngineConfig) -> Child:
+        if spec.is_command:  # a server of its own: always by exec
+            return await self.exec.start(spec, config)
+        return await self.spawn(config, dict(spec.env), spec.launcher)
+
     async def spawn(self, config: EngineConfig, env: Mapping[str, str],
                     launcher: str = "") -> Child:
         mode = launcher or self.default
@@ -232,9 +232,6 @@ class ForkServerLauncher:
                 why = f"fork server: {exc}"
         child = await self.exec.spawn(config, env)
         return replace(child, launcher=f"{EXEC} ({why})")
-
-    def spawn_command(self, spec: EngineSpec, incarnation: int, port: int | None) -> Child:
-        return self.exec.spawn_command(spec, incarnation, port)
 
     async def _fork(self, config: EngineConfig, env: Mapping[str, str]) -> Child:
         if self.exec.budget is not None:

@@ -1,5 +1,5 @@
-"""`python -m engined.supervisor.guard DAEMON_PID [SCRATCH_ROOT]`: outlives a SIGKILLed engined
-and kills every process that carries its mark (see engined.supervisor.reaper).
+"""`python -m engined.supervisor.host.guard DAEMON_PID [SCRATCH_ROOT]`: outlives a SIGKILLed engined
+and kills every process that carries its mark (see engined.supervisor.host.reaper).
 
 It reads stdin (a pipe whose write end only the daemon holds): the daemon tells it each child it
 spawns (`+PID`: a process-group leader) and each one that exits (`-PID`). EOF comes when the
@@ -8,7 +8,7 @@ found; a SIGKILLed daemon leaves engines (which PR_SET_PDEATHSIG kills), the res
 process groups (a server's engine core, which may have overwritten its environment, and so its
 mark, with a process title), and descendants that left the group (found by their mark). It kills
 until none is left, removes the daemon's scratch root (its engines' TMPDIRs, see
-engined.supervisor.scratch), then exits.
+engined.supervisor.host.scratch), then exits.
 It imports only the standard library and the contract module: it starts in milliseconds.
 """
 

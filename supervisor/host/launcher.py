@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Protocol
+from typing import Mapping, Protocol
 
 import engined.engine
 from engined.engine.contract import (
@@ -27,9 +27,9 @@ from engined.engine.contract import (
     ENV_PARENT_PID,
 )
 from engined.engine.protocol import EngineConfig, encode_config
-from engined.supervisor import scratch
-from engined.supervisor.policy import ExitStatus
-from engined.supervisor.resources import FdBudget
+from engined.supervisor.host import scratch
+from engined.supervisor.host.exits import ChildWatcher, ExitRecord
+from engined.supervisor.host.fdreserve import FdReserve
 from engined.supervisor.spec import EngineSpec
 
 # Never let a child see the daemon's systemd plumbing: a child writing to NOTIFY_SOCKET would
@@ -60,14 +60,6 @@ def expose_engine_package(root: Path) -> str:
     return str(root)
 
 
-@dataclass(frozen=True)
-class ExitRecord:
-    status: ExitStatus
-    at_monotonic: float
-    at_wall: float
-    cpu_seconds: float = 0.0  # the child's own user+system time, from wait4's rusage
-
-
 @dataclass
 class Child:
     pid: int
@@ -75,6 +67,7 @@ class Child:
     exited: asyncio.Future[ExitRecord]
     spawned_at: float = field(default_factory=time.monotonic)
     launcher: str = "exec"  # what started it: "forkserver", "exec", "exec (why not forked)"
+    port: int | None = None  # a command engine's port (this spawn's)
 
     @property
     def alive(self) -> bool:
@@ -90,10 +83,9 @@ class Child:
 
 
 class Launcher(Protocol):
-    async def spawn(self, config: EngineConfig, env: Mapping[str, str],
-                    launcher: str = "") -> Child: ...
-
-    def spawn_command(self, spec: EngineSpec, incarnation: int, port: int | None) -> Child: ...
+    async def start(self, spec: EngineSpec, config: EngineConfig) -> Child:
+        """Start one incarnation of `spec`: its engine child (from `config`), or for a command
+        engine its server, on this spawn's port. Raises OSError if it could not be started."""
 
 
 def child_environment(config: EngineConfig, extra: Mapping[str, str], pythonpath: str,
@@ -202,7 +194,7 @@ class ExecLauncher:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pythonpath: str,
-                 python: str = sys.executable, budget: FdBudget | None = None,
+                 python: str = sys.executable, budget: FdReserve | None = None,
                  nofile: int | None = None, watcher: ChildWatcher | None = None) -> None:
         self.loop = loop
         self.watcher = watcher or ChildWatcher()
@@ -210,6 +202,14 @@ class ExecLauncher:
         self.python = python
         self.budget = budget
         self.nofile = nofile
+
+    async def start(self, spec: EngineSpec, config: EngineConfig) -> Child:
+        if spec.is_command:
+            port = pick_port(spec)
+            child = self.spawn_command(spec, config.incarnation, port)
+            child.port = port
+            return child
+        return await self.spawn(config, dict(spec.env))
 
     async def spawn(self, config: EngineConfig, env: Mapping[str, str],
                     launcher: str = "") -> Child:
@@ -263,67 +263,3 @@ def _kill_and_reap(pid: int) -> None:
         os.waitpid(pid, 0)
     except ChildProcessError:
         pass
-
-
-class ChildWatcher:
-    """Exit detection by event (a pidfd per child, on the event loop), with the set of pids it
-    watches: the reaper reaps only the others (never steals a supervised child's status)."""
-
-    def __init__(self) -> None:
-        self.pids: set[int] = set()
-        self.on_change: Callable[[int, bool], None] | None = None  # (pid, watched now)
-        # A fork server's engine is the daemon's child before its pid is known here: while a
-        # spawn is between the two, the reaper must not reap (it would take that exit status).
-        self.holds = 0
-        self.on_release: Callable[[], None] | None = None  # the reaper catches up
-
-    def hold(self) -> None:
-        self.holds += 1
-
-    def release(self) -> None:
-        self.holds -= 1
-        if self.holds == 0 and self.on_release is not None:
-            self.on_release()
-
-    def watch(self, pid: int) -> asyncio.Future[ExitRecord]:
-        """Watch `pid` from the running loop (call on the event-loop thread)."""
-        self.pids.add(pid)
-        try:
-            future = watch_exit(asyncio.get_running_loop(), pid)
-        except BaseException:
-            self.pids.discard(pid)
-            raise
-        future.add_done_callback(lambda _: self._gone(pid))
-        if self.on_change is not None:
-            self.on_change(pid, True)
-        return future
-
-    def _gone(self, pid: int) -> None:
-        self.pids.discard(pid)
-        if self.on_change is not None:
-            self.on_change(pid, False)
-
-
-def watch_exit(loop: asyncio.AbstractEventLoop, pid: int) -> asyncio.Future[ExitRecord]:
-    """A future resolved (and the zombie reaped) the moment `pid` exits, via its pidfd."""
-    future: asyncio.Future[ExitRecord] = loop.create_future()
-    pidfd = os.pidfd_open(pid)
-
-    def on_exit() -> None:
-        try:
-            done, status, usage = os.wait4(pid, os.WNOHANG)
-            cpu_s = usage.ru_utime + usage.ru_stime
-        except ChildProcessError:  # reaped elsewhere; should not happen, but never hang on it
-            done, status, cpu_s = pid, 0, 0.0
-        if done == 0:
-            return
-        record = ExitRecord(ExitStatus.from_wait_status(status), time.monotonic(), time.time(),
-                            cpu_s)
-        loop.remove_reader(pidfd)
-        os.close(pidfd)
-        if not future.done():
-            future.set_result(record)
-
-    loop.add_reader(pidfd, on_exit)
-    return future
-

@@ -10,7 +10,7 @@ parent keep the GPUs). engined therefore
 * finds what an incarnation left behind by the mark every process it started inherits
   (ENGINED_OWNER=<daemon pid>/<engine>/<incarnation>, in /proc/PID/environ) and kills it before
   the replacement spawns, and removes its TMPDIR (`scratch`: the files it left there);
-* runs a guard (`engined.supervisor.guard`) that outlives a SIGKILLed daemon and kills whatever
+* runs a guard (`engined.supervisor.host.guard`) that outlives a SIGKILLed daemon and kills whatever
   carries the daemon's mark (PR_SET_PDEATHSIG covers only the direct children).
 
 A descendant that rewrites its own environment escapes the mark; under systemd the unit's cgroup
@@ -25,19 +25,16 @@ import glob
 import logging
 import os
 import signal
-import sys
 import time
 from typing import Callable
 
-from engined.supervisor import scratch
-from engined.supervisor.guard import marked_processes
-from engined.supervisor.launcher import ChildWatcher, ExitRecord
+from engined.supervisor.host import scratch
+from engined.supervisor.host.guard import marked_processes
 
 log = logging.getLogger("engined.reaper")
 
 _PR_SET_CHILD_SUBREAPER = 36
 LEFTOVER_WAIT_S = 5.0
-GUARD_MODULE = "engined.supervisor.guard"
 
 
 def become_subreaper() -> bool:
@@ -120,66 +117,3 @@ class Reaper:
         if left:
             log.info("[leftover] %s incarnation %d left %d file(s) in its TMPDIR: removed",
                      engine, incarnation, left)
-
-
-class Guard:
-    """The small process that outlives a SIGKILLed engined and kills what carries its mark.
-
-    It reads a pipe from the daemon: EOF means the daemon is gone (or shutting down, having
-    stopped every engine already): it then kills every process marked `<daemon pid>/...` and
-    exits. It ignores SIGINT/SIGTERM/SIGHUP (a terminal's Ctrl-C or a unit's stop must not end
-    it first) and runs in a session of its own. Spawned like an engine (posix_spawn from the
-    event-loop thread) and watched by its pidfd; a dead guard is replaced.
-    """
-
-    def __init__(self, watcher: ChildWatcher) -> None:
-        self.watcher = watcher
-        self.pid: int | None = None
-        self.exited: asyncio.Future[ExitRecord] | None = None
-        self._write_fd: int | None = None
-        watcher.on_change = self._tell
-
-    def _tell(self, pid: int, alive: bool) -> None:
-        """Every child is a process-group leader (setsid): the guard keeps the list, and kills
-        those groups too. Some descendants cannot be found by their mark: a process that sets
-        its title (setproctitle, as vLLM's EngineCore does) overwrites its environment."""
-        if self._write_fd is None or pid == self.pid:
-            return
-        try:
-            os.write(self._write_fd, f"{'+' if alive else '-'}{pid}\n".encode())
-        except OSError:  # a guard that died is replaced; it is told everything again then
-            pass
-
-    def start(self) -> int:
-        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
-        argv = [sys.executable, "-m", GUARD_MODULE, str(os.getpid()), str(scratch.root())]
-        try:
-            pid = os.posix_spawn(argv[0], argv, dict(os.environ), setsid=True,
-                                 file_actions=[(os.POSIX_SPAWN_DUP2, read_fd, 0),
-                                               (os.POSIX_SPAWN_OPEN, 1, "/dev/null",
-                                                os.O_WRONLY, 0)])
-        except BaseException:
-            os.close(write_fd)
-            raise
-        finally:
-            os.close(read_fd)
-        self.pid, self._write_fd = pid, write_fd
-        self.exited = self.watcher.watch(pid)
-        for child in sorted(self.watcher.pids - {pid}):
-            self._tell(child, True)
-        return pid
-
-    def alive(self) -> bool:
-        return self.exited is not None and not self.exited.done()
-
-    async def close(self, timeout_s: float = 5.0) -> None:
-        """Clean shutdown: EOF on its pipe; it finds nothing left and exits."""
-        if self._write_fd is not None:
-            os.close(self._write_fd)
-            self._write_fd = None
-        if self.exited is not None and self.pid is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self.exited), timeout_s)
-            except asyncio.TimeoutError:
-                os.kill(self.pid, signal.SIGKILL)
-                await self.exited

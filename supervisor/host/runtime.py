@@ -10,7 +10,7 @@ from pathlib import Path
 from engined.engine.contract import default_runtime_dir
 
 
-class RuntimeError_(Exception):
+class StartupError(Exception):
     """A fatal start-up problem with the runtime directory (exit 1)."""
 
 
@@ -28,9 +28,9 @@ def prepare_runtime_dir(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode):
-        raise RuntimeError_(f"runtime directory {path} is not a directory")
+        raise StartupError(f"runtime directory {path} is not a directory")
     if info.st_uid != os.getuid():
-        raise RuntimeError_(f"runtime directory {path} is owned by uid {info.st_uid}, "
+        raise StartupError(f"runtime directory {path} is owned by uid {info.st_uid}, "
                             f"not by us (uid {os.getuid()})")
     os.chmod(path, 0o700)
 
@@ -57,7 +57,7 @@ class RuntimeLock:
             except BlockingIOError:
                 holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
-                raise RuntimeError_(f"another engined (pid {holder}) holds the runtime "
+                raise StartupError(f"another engined (pid {holder}) holds the runtime "
                                     f"directory {self.path.parent}") from None
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
@@ -69,7 +69,7 @@ class RuntimeLock:
                 self.fd = fd
                 return
             os.close(fd)  # unlinked by the daemon that just left: try the new file
-        raise RuntimeError_(f"cannot lock {self.path}: it keeps being replaced")
+        raise StartupError(f"cannot lock {self.path}: it keeps being replaced")
 
     def release(self, unlink: bool = False) -> None:
         """`unlink` (a clean exit): remove the file first, while still holding the lock."""

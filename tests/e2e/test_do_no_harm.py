@@ -185,7 +185,7 @@ def test_an_engines_descendants_die_after_a_daemon_sigkill(engined):
     engine = d.engine("leaky-0")["pid"]
     kids = _descendants(d, "leaky-0", 1)
     guard = [p.pid for p in psutil.Process(d.pid).children()
-             if "engined.supervisor.guard" in " ".join(p.cmdline())]
+             if "engined.supervisor.host.guard" in " ".join(p.cmdline())]
     assert len(guard) == 1, psutil.Process(d.pid).children()
     d.expect_unclean_exit = True
     d.signal(signal.SIGKILL)

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 
 import openai
 import psutil
@@ -151,3 +152,33 @@ def test_a_command_engine_without_openai_is_not_served(gateway):
     assert list(client.models.list()) == []
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="fake", prompt="x", max_tokens=2)
+
+
+def test_a_rolling_restart_waits_for_a_command_engines_gateway_requests(gateway):
+    """The gateway reaches a command engine over HTTP, not the engine channels: the router
+    counts those requests too, so `enginectl restart GROUP` lets a stream on a server finish
+    before it stops that server (in the daemon's own log: the request's end, then the SIGTERM;
+    nothing moved)."""
+    d, client = gateway(fleet(tick="0.05", replicas=1, stop_timeout="60s"))
+    old = d.engine("fake-0")["pid"]
+    n = 40
+    stream = client.completions.create(model="fake", prompt=PROMPT, max_tokens=n, stream=True)
+    chunks, restart = [], None
+    for chunk in stream:
+        chunks.append(chunk)
+        if restart is None:  # the request is on fake-0 now: roll the group
+            serving(d)
+            restart = threading.Thread(target=lambda: d.ctl("restart", "fake", "--timeout",
+                                                             "120"), daemon=True)
+            restart.start()
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected(list(PROMPT.encode()), n)
+    assert restart is not None
+    restart.join(timeout=180)
+    after = d.engine("fake-0")
+    assert after["pid"] != old and after["restarts_by_reason"] == {"manual": 1}, after
+    log = d.stderr_text()
+    assert "moving it" not in log
+    finished = log.index(" completion fake ok in ")
+    stopped = log.index(f"[stop] fake-0 pid {old}: SIGTERM")
+    assert finished < stopped, log[finished - 200:stopped + 200]

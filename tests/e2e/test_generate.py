@@ -77,8 +77,8 @@ def test_bad_requests_are_400_naming_the_field(engined):
         ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "not both"),
         ({"messages": []}, "'messages' must be a non-empty list"),
         ({"messages": [{"role": "robot", "content": "y"}]}, "messages[0]"),
-        ({"prompt": "x", "stop": ["a"] * 9}, "'stop'"),
-        ({"prompt": "x", "seed": -1}, "'seed'"),
+        ({"prompt": "x", "stop": ["a"] * 17}, "'stop'"),
+        ({"prompt": "x", "seed": 2**64}, "'seed'"),
         ({"prompt": "x", "temperature": 3}, "'temperature'"),
         ({"prompt": "x", "stream": "yes"}, "'stream'"),
     ]:

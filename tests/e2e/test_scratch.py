@@ -1,4 +1,4 @@
-"""Each incarnation's own TMPDIR (engined.supervisor.scratch), through the real daemon: engines
+"""Each incarnation's own TMPDIR (engined.supervisor.host.scratch), through the real daemon: engines
 leave files there that only a clean exit removes (vLLM's FileStore, its servers' ipc:// sockets);
 engined removes them when the incarnation is gone, the daemon's whole scratch root at shutdown,
 the guard after a SIGKILLed daemon, and a new daemon the roots of daemons that are gone."""

@@ -13,7 +13,6 @@ import dataclasses
 import os
 import random
 import signal
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,11 +21,14 @@ import yaml
 
 from engined.engine import protocol as proto
 from engined.supervisor.fleet import Fleet
-from engined.supervisor.launcher import Child, ExitRecord
-from engined.supervisor.loop import LoopMonitor
+from engined.supervisor.host.exits import ExitRecord
+from engined.supervisor.host.launcher import Child
+from engined.supervisor.loopmonitor import LoopMonitor
+from engined.supervisor.notices import Notices
 from engined.supervisor.policy import ExitStatus
-from engined.supervisor.replica import Replica, ReplicaDeps
-from engined.supervisor.spec import FleetSpec, parse_fleet
+from engined.supervisor.replica import AddressBook, Replica, ReplicaDeps
+from engined.supervisor.routing import Router
+from engined.supervisor.spec import EngineSpec, FleetSpec, parse_fleet
 from engined.supervisor.state import EngineState
 from lifecycle.autojump import VirtualClock
 
@@ -91,8 +93,7 @@ class FakeLauncher:
         self.spawn_delays: dict[str, float] = {}  # per replica name
         self._pids = iter(range(40_000, 1 << 22))
 
-    async def spawn(self, config: proto.EngineConfig, env: Mapping[str, str],
-                    launcher: str = "") -> Child:
+    async def start(self, spec: EngineSpec, config: proto.EngineConfig) -> Child:
         errors = self.spawn_errors.get(config.name)
         if errors:
             raise errors.pop(0)
@@ -118,10 +119,12 @@ class World:
     """A fleet on fake children. Build it inside a running AutojumpLoop (`await World.build`)."""
 
     fleet: Fleet
+    router: Router
     launcher: FakeLauncher
     clock: VirtualClock
+    notices: Notices
     transitions: list[Transition] = field(default_factory=list)
-    lost: list[tuple[str, int, str]] = field(default_factory=list)  # on_exit callbacks
+    lost: list[tuple[str, int, str]] = field(default_factory=list)  # incarnations lost
     pulses: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     @classmethod
@@ -132,20 +135,22 @@ class World:
         clock = VirtualClock(loop)
         spec = make_spec(engines, supervisor, defaults)
         launcher = FakeLauncher(loop, clock)
-        world: World
+        notices, addresses = Notices(), AddressBook()
+        router = Router(lambda: fleet.replicas.values(), clock.monotonic)
         deps = ReplicaDeps(
             loop=loop, clock=clock, launcher=launcher, log_dir=tmp,
             control_endpoint="ipc:///nonexistent/c", request_endpoint="ipc:///nonexistent/r",
             heartbeat_interval_s=spec.supervisor.heartbeat_interval_s,
             heartbeat_timeout_s=spec.supervisor.heartbeat_timeout_s,
-            on_exit=lambda name, inc, why: world.lost.append((name, inc, why)),
-            on_state=lambda name, old, new: world.transitions.append(
-                Transition(clock.monotonic(), name, old, new)),
             monitor=LoopMonitor(clock, grace_s=spec.supervisor.heartbeat_interval_s),
-            rng=random.Random(0))
-        fleet = Fleet(spec, lambda engine, owner: Replica(engine, deps, owner), clock,
-                      rng=random.Random(0))
-        world = cls(fleet, launcher, clock)
+            notices=notices, addresses=addresses, rng=random.Random(0),
+            in_flight=router.in_flight)
+        fleet = Fleet(spec, lambda engine, owner: Replica(engine, deps, owner), clock, router,
+                      addresses, rng=random.Random(0))
+        world = cls(fleet, router, launcher, clock, notices)
+        notices.lost.subscribe(lambda lost: world.lost.append((*lost.address, lost.why)))
+        notices.state.subscribe(lambda change: world.transitions.append(
+            Transition(clock.monotonic(), change.view.name, change.old, change.view.state)))
         return world
 
     # --- driving -----------------------------------------------------------------------------
@@ -237,7 +242,8 @@ def make_spec(engines: list[dict[str, Any]], supervisor: dict[str, Any] | None =
     doc: dict[str, Any] = {"version": 1, "supervisor": sup}
     if defaults:
         doc["defaults"] = defaults
-    doc["engines"] = [{"replicas": 1, "model": "builtin:echo", **e} for e in engines]
+    doc["engines"] = [{"replicas": 1, **({} if "command" in e else {"model": "builtin:echo"}), **e}
+                      for e in engines]
     return parse_fleet(yaml.safe_dump(doc, sort_keys=False), "<lifecycle test>")
 
 

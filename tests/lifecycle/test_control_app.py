@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from engined.engine import protocol as proto
 from engined.supervisor.control import ControlContext, make_app
+from engined.supervisor.events import EventLog
 from engined.supervisor.ipc import RequestFailed
 from engined.supervisor.sampler import Sampler
 from engined.supervisor.state import EngineState
@@ -27,20 +29,15 @@ class _NoNvml:
 
 
 class FakeChannels:
-    """What the routes use of the engine channels: drop counts, load, and generate (an echo)."""
+    """What the routes use of the engine channels: drop counts and requests (an echo)."""
 
     def __init__(self) -> None:
         self.dropped: collections.Counter[str] = collections.Counter()
         self.sent: list[tuple[str, str, int]] = []
 
-    def in_flight(self, engine: str) -> int:
-        return 0
-
-    def wake(self, engine: str, incarnation: int) -> None:
-        pass
-
-    def open(self, engine: str, incarnation: int,
-             request: proto.GenerateRequest) -> FakeStream:
+    def open(self, address: tuple[str, int], request: proto.GenerateRequest,
+             wake: Iterable[tuple[str, int]] = ()) -> FakeStream:
+        engine, incarnation = address
         self.sent.append((engine, request.prompt, request.sampling.max_tokens))
         return FakeStream(engine, incarnation, request)
 
@@ -74,7 +71,9 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str]] = [
     ("POST", "/v1/engines/a/start", b"[" * 100_000, 413, ""),
     ("POST", "/v1/generate", {}, 400, "'prompt' must be a non-empty string"),
     ("POST", "/v1/generate", {"prompt": ""}, 400, "'prompt' must be a non-empty string"),
-    ("POST", "/v1/generate", {"prompt": "x" * 40_000}, 400, "at most 32768 characters"),
+    ("POST", "/v1/generate", {"prompt": "x" * 70_000}, 413, ""),  # the socket's body limit
+    ("POST", "/v1/generate", {"prompt": [1, -2]}, 400, "'prompt' token ids must be"),
+    ("POST", "/v1/generate", {"prompt": "hi", "stop": ["a"] * 17}, 400, "at most 16"),
     ("POST", "/v1/generate", b'{"prompt": "\\ud800"}', 400, "valid Unicode"),
     ("POST", "/v1/generate", {"prompt": "hi", "engine": 5}, 400, "'engine' must be a string"),
     ("POST", "/v1/generate", {"prompt": "hi", "max_tokens": 0}, 400, "'max_tokens'"),
@@ -93,7 +92,8 @@ def _run(tmp_path: Path, body: Any) -> None:
         world = await World.build(tmp_path, [{"name": "a", "replicas": 2}])
         await world.start("a-0", "a-1")
         channels = FakeChannels()
-        ctx = ControlContext(world.fleet, channels, Sampler(_NoNvml()),  # type: ignore[arg-type]
+        ctx = ControlContext(world.fleet, world.router, channels,  # type: ignore[arg-type]
+                             Sampler(_NoNvml()), EventLog(),  # type: ignore[arg-type]
                              "/etc/engined/fleet.yaml")
         client = TestClient(TestServer(make_app(ctx)))
         await client.start_server()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engined.supervisor.sampler import GpuDevice, wait_gpu_released
+from engined.supervisor.host.gpus import GpuDevice, wait_gpu_released
 from lifecycle.autojump import run
 
 

@@ -1,4 +1,4 @@
-"""A command engine's probes and progress checks (supervisor.probe.CommandWatch) on a jumping
+"""A command engine's probes and progress checks (supervisor.probe.Prober) on a jumping
 clock, against a scripted HTTP client: READY at the first pass, hung after `failures` in a row,
 no blame for a pause of engined, and progress read as heartbeats."""
 
@@ -8,8 +8,8 @@ import asyncio
 from collections.abc import Callable
 
 from engined.engine import protocol as proto
-from engined.supervisor.loop import LoopMonitor
-from engined.supervisor.probe import CommandWatch, ProbeFailed, metric_sum
+from engined.supervisor.loopmonitor import LoopMonitor
+from engined.supervisor.probe import ProbeFailed, Prober, metric_sum
 from engined.supervisor.spec import parse_fleet
 from lifecycle.autojump import VirtualClock, run
 
@@ -49,7 +49,7 @@ def _watch(client: ScriptedClient, in_flight: Callable[[], int] = lambda: 0):
     monitor = LoopMonitor(clock, grace_s=1.0)
     got: list[proto.ChildMessage] = []
     verdicts: list[str] = []
-    watch = CommandWatch(spec, 1, 8000, client, clock, monitor, got.append, verdicts.append,
+    watch = Prober(spec, 1, 8000, client, clock, monitor, got.append, verdicts.append,
                          in_flight)  # type: ignore[arg-type]
     return watch, monitor, clock, got, verdicts
 

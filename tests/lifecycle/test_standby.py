@@ -4,6 +4,7 @@ and messages under its new name, and a standby's own failures."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from pathlib import Path
 
@@ -128,3 +129,74 @@ def test_a_gang_waits_for_a_rank_whose_spawn_is_in_flight(tmp_path):
         finally:
             await w.close()
     run(main)
+
+
+# --- promotion while the spare is exiting -----------------------------------------------------
+
+def test_a_spare_in_its_cleanup_is_not_promoted(tmp_path):
+    """A standby that announced its cleanup (it is exiting on its own: an external SIGTERM, an
+    exception) is READY for a moment longer, but promoting it would hand the serving replica a
+    child about to exit: the replica restarts as usual, and the spare's exit is its own."""
+    async def body(w: World) -> None:
+        await w.start("a-0", "a-standby-0")
+        spare = w.child("a-standby-0")
+        assert w.send(proto.Progress("a-standby-0", 1, proto.PHASE_CLEANUP)) is None
+        w.stop_pulse("a-0")
+        w.child("a-0").exit(1)
+        await w.settle()
+        a0 = w.replica("a-0").view()
+        assert (a0.state, a0.incarnation, a0.restarts_of("exit")) == (S.STARTING, 2, 1), a0
+        assert a0.pid == w.child("a-0").pid != spare.pid
+        spare.exit(143)  # its cleanup ends: the standby's own failure, restarted by its policy
+        await w.settle()
+        assert w.replica("a-0").view().restarts == 1
+        standby = w.replica("a-standby-0").view()
+        assert standby.restarts_of("signal") == 1 and w.spawns("a-standby-0") == 2
+    scenario(tmp_path, body)
+
+
+def test_a_spare_that_exits_with_the_replica_it_would_replace_is_not_promoted(tmp_path):
+    """Both children die in the same instant (a node-wide event): neither is promoted into the
+    other; each restarts under its own policy, once."""
+    async def body(w: World) -> None:
+        await w.start("a-0", "a-standby-0")
+        for name in ("a-0", "a-standby-0"):
+            w.stop_pulse(name)
+        spare = w.child("a-standby-0")
+        w.child("a-0").exit(None, signal.SIGKILL)
+        spare.exit(None, signal.SIGKILL)
+        await w.settle()
+        a0, standby = w.replica("a-0").view(), w.replica("a-standby-0").view()
+        assert a0.pid == w.child("a-0").pid and a0.pid != spare.pid
+        assert (a0.incarnation, a0.restarts_of("signal")) == (2, 1), a0
+        assert (standby.incarnation, standby.restarts_of("signal")) == (2, 1), standby
+        assert w.spawns("a-0") == w.spawns("a-standby-0") == 2
+    scenario(tmp_path, body)
+
+
+def test_a_promoted_child_that_exits_at_once_is_reported_once_by_its_new_replica(tmp_path):
+    """The spare's child exits right after it was promoted, before anything else ran: its exit
+    is the serving replica's (one restart decision, counted once, its requests failed under the
+    address they were sent to); the standby only builds a new spare."""
+    async def body(w: World) -> None:
+        await w.start("a-0", "a-standby-0")
+        spare = w.child("a-standby-0")
+        w.stop_pulse("a-0")
+        w.child("a-0").exit(1)
+        # the replica's exit is handled (the spare is promoted) on the next loop turns; the
+        # promoted child dies one turn later, before its watchers have run again
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert w.replica("a-0").view().pid == spare.pid
+        w.stop_pulse("a-standby-0")
+        spare.exit(None, signal.SIGKILL)
+        await w.settle(1.0)  # its second failure in a row waits backoff.initial
+        a0 = w.replica("a-0").view()
+        assert a0.restarts_of("exit") == 1 and a0.restarts_of("signal") == 1, a0
+        assert a0.last_exit is not None and a0.last_exit.signal == "SIGKILL"
+        assert ("a-standby-0", 1, "exited") in w.lost  # the promoted child's own address
+        standby = w.replica("a-standby-0").view()
+        assert standby.restarts == 0 and standby.state is S.STARTING
+        assert w.spawns("a-standby-0") == 2  # the new spare, nothing more
+        assert (a0.state, a0.incarnation, w.spawns("a-0")) == (S.STARTING, 3, 2)
+    scenario(tmp_path, body)

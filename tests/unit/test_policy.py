@@ -69,7 +69,7 @@ KMSG_OOM = [
 
 
 def test_oom_evidence_from_the_kernel_log_names_the_pid(tmp_path):
-    from engined.supervisor.oom import OomWitness, oom_pids_in
+    from engined.supervisor.host.oom import OomWitness, oom_pids_in
 
     assert oom_pids_in(KMSG_OOM) == {4242, 777}
     no_log = str(tmp_path / "no-kmsg")  # unreadable: the cgroup counter decides

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engined.supervisor import runtime
-from engined.supervisor.runtime import RuntimeError_, RuntimeLock
+from engined.supervisor.host import runtime
+from engined.supervisor.host.runtime import RuntimeLock, StartupError
 
 
 def test_held_lock_refuses_a_second_daemon_and_a_clean_release_removes_the_file(
@@ -17,7 +17,7 @@ def test_held_lock_refuses_a_second_daemon_and_a_clean_release_removes_the_file(
     first, second = RuntimeLock(tmp_path), RuntimeLock(tmp_path)
     first.acquire()
     assert first.path.read_text().strip() == str(os.getpid())
-    with pytest.raises(RuntimeError_, match=f"another engined \\(pid {os.getpid()}\\)"):
+    with pytest.raises(StartupError, match=f"another engined \\(pid {os.getpid()}\\)"):
         second.acquire()
     first.release(unlink=True)
     assert not first.path.exists()  # a clean exit leaves no lock file

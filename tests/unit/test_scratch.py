@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engined.supervisor import scratch
+from engined.supervisor.host import scratch
 
 
 @pytest.fixture

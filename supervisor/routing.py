@@ -1,0 +1,209 @@
+"""Which replica serves a request, and how many requests each incarnation has: one authority for
+the gateway, the control socket's `POST /v1/generate`, rolling restarts and command engines'
+progress checks, whether or not the gateway is on.
+
+A replica is routable while it serves: READY, wanted, alive, not in its cleanup, heard from
+lately (its liveness strategy says how lately: a frozen engine stops getting requests at once,
+long before it is declared hung), and neither a standby nor draining (a rolling restart takes
+it out of routing while its requests finish). Among the routable, the least loaded wins,
+round-robin among equals. Load is counted per incarnation from the moment a request is leased
+until it is released, so a promoted standby brings its own count, and the next standby starts at
+zero. A gateway request that finds no routable replica waits for one (until its deadline), and a
+group holds at most queue_limit gateway requests (admitted, in flight or waiting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from engined.supervisor.incarnation import Incarnation
+from engined.supervisor.notices import StateChange
+from engined.supervisor.replica import Replica
+from engined.supervisor.spec import EngineSpec
+
+RECHECK_S = 0.1  # a waiting request looks again this often (heartbeats refresh without events)
+
+
+class NoRoute(Exception):
+    """Nothing can take the request: why, in words for the client."""
+
+
+class UnknownModel(NoRoute):
+    def __init__(self, model: str, known: list[str]) -> None:
+        super().__init__(f"The model '{model}' does not exist (served here: "
+                         f"{', '.join(known) or 'none'})")
+
+
+class QueueFull(NoRoute):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"too many requests for this model ({limit} in flight or waiting): "
+                         f"retry later")
+
+
+class Closing(NoRoute):
+    def __init__(self) -> None:
+        super().__init__("engined is shutting down")
+
+
+class NoReplica(NoRoute):
+    """No routable replica (now, or before the request's deadline)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Lease:
+    """One request's claim on one incarnation, counted as its load until released."""
+
+    replica: Replica
+    incarnation: Incarnation
+
+
+class Router:
+    def __init__(self, replicas: Callable[[], Iterable[Replica]],
+                 clock: Callable[[], float]) -> None:
+        self._replicas = replicas  # the fleet's, in spec order
+        self.clock = clock
+        self.closing = False  # shutdown: the gateway accepts nothing new
+        self.queued: collections.Counter[str] = collections.Counter()  # group -> admitted
+        self._load: collections.Counter[Incarnation] = collections.Counter()
+        self._draining: set[Replica] = set()
+        self._changed = asyncio.Event()  # a state change: a waiting request looks again
+        self._released = asyncio.Event()  # a lease ended: a drain looks again
+        self._turn = itertools.count()
+
+    # --- names (the gateway's models) ----------------------------------------------------------
+    def models(self) -> dict[str, str]:
+        """model name -> group, for every group the gateway serves."""
+        out: dict[str, str] = {}
+        for replica in self._replicas():
+            spec = replica.spec
+            if spec.is_command and not spec.openai:
+                continue  # a server whose API the gateway does not speak
+            if not replica.standby:
+                out.setdefault(spec.served_model_name or spec.group, spec.group)
+        return out
+
+    def group_of(self, model: str) -> str:
+        models = self.models()
+        if model not in models:
+            raise UnknownModel(model, sorted(models))
+        return models[model]
+
+    def spec_of(self, group: str) -> EngineSpec:
+        return next(r.spec for r in self._replicas() if r.spec.group == group)
+
+    # --- admission (the gateway's queue per group) ---------------------------------------------
+    def admit(self, group: str) -> None:
+        if self.closing:
+            raise Closing()
+        limit = self.spec_of(group).queue_limit
+        if self.queued[group] >= limit:
+            raise QueueFull(limit)
+        self.queued[group] += 1
+
+    def leave(self, group: str) -> None:
+        self.queued[group] -= 1
+
+    # --- picking -------------------------------------------------------------------------------
+    def routable(self, replica: Replica, named: bool = False) -> Incarnation | None:
+        """Its serving incarnation, if requests may go to it now. `named`: the client asked
+        for this replica by name (a standby, or one draining, serves it then)."""
+        if not named and (replica.standby or replica in self._draining):
+            return None
+        inc = replica.serving()
+        return inc if inc is not None and inc.fresh(self.clock()) else None
+
+    def pick(self, replicas: Iterable[Replica], named: bool = False) -> Lease | None:
+        """The least loaded routable replica of `replicas` (round-robin among equals), leased."""
+        candidates = [(r, inc) for r in replicas
+                      if (inc := self.routable(r, named)) is not None]
+        if not candidates:
+            return None
+        least = min(self._load[inc] for _, inc in candidates)
+        ties = [pair for pair in candidates if self._load[pair[1]] == least]
+        replica, inc = ties[next(self._turn) % len(ties)]
+        self._load[inc] += 1
+        return Lease(replica, inc)
+
+    def lease_for(self, replicas: list[Replica], name: str | None, explicit: bool) -> Lease:
+        """A replica for the control socket's `POST /v1/generate`, which speaks the engine
+        protocol: one of `replicas` (what `name` names, or every replica); `explicit`: `name`
+        is one replica's (it may be a standby, or draining). NoReplica says why there is none."""
+        serving = [r for r in replicas if not r.standby]
+        pool = [r for r in serving or replicas if not r.spec.is_command]
+        if replicas and not pool:
+            raise NoReplica(f"{name!r} is a command engine (a server of its own): send its "
+                            f"requests to its port, or through the gateway (openai: true)")
+        lease = self.pick(pool, named=explicit or not serving)
+        if lease is None:
+            raise NoReplica(f"no READY engine{' in ' + repr(name) if name else ''}")
+        return lease
+
+    def peers(self, lease: Lease) -> list[tuple[str, int]]:
+        """The serving peers of a data-parallel rank (they must join its lockstep step: the
+        engine channels wake them), by address."""
+        spec = lease.replica.spec
+        if not spec.data_parallel:
+            return []
+        return [inc.address for r in self._replicas()
+                if r.spec.group == spec.group and r is not lease.replica
+                and (inc := r.serving()) is not None]
+
+    async def acquire(self, group: str, deadline: float) -> Lease:
+        """A routable replica of `group`, waiting for one if need be; NoReplica past the
+        deadline."""
+        while True:
+            lease = self.pick(r for r in self._replicas() if r.spec.group == group)
+            if lease is not None:
+                return lease
+            left = deadline - self.clock()
+            if left <= 0:
+                raise NoReplica(f"no replica of '{group}' could serve the request in time")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(left, RECHECK_S))
+            except asyncio.TimeoutError:
+                pass
+
+    def release(self, lease: Lease) -> None:
+        inc = lease.incarnation
+        self._load[inc] -= 1
+        if self._load[inc] <= 0:
+            del self._load[inc]
+        self._released.set()
+
+    def in_flight(self, incarnation: Incarnation) -> int:
+        return self._load[incarnation]
+
+    def load(self, replica: Replica) -> int:
+        """Requests on the replica's live incarnation."""
+        inc = replica.current
+        return self._load[inc] if inc is not None else 0
+
+    def on_state(self, change: StateChange) -> None:
+        """A replica changed state: what a waiting request waits for may have happened."""
+        self._changed.set()
+
+    # --- draining (rolling restarts) -----------------------------------------------------------
+    def drain(self, replica: Replica) -> None:
+        """Out of routing from now on; requests already on it stay."""
+        self._draining.add(replica)
+
+    def undrain(self, replica: Replica) -> None:
+        self._draining.discard(replica)
+
+    async def drained(self, replica: Replica, timeout_s: float) -> int:
+        """Until the replica's live incarnation has no request left, at most `timeout_s`;
+        returns how many are left."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.load(replica) and (wait := deadline - loop.time()) > 0:
+            self._released.clear()
+            try:
+                await asyncio.wait_for(self._released.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+        return self.load(replica)

@@ -1,0 +1,199 @@
+"""The daemon's object graph, built in one place and in dependency order, and its servers.
+
+`Services.build` makes every service, hands each its dependencies, and wires the notifications
+(supervisor.notices) from the lifecycle to whoever reacts to them:
+
+    state change  -> the event log (GET /v1/events), the router (requests waiting for a
+                     replica), systemd's STATUS= line
+    incarnation lost -> the engine channels and the gateway's upstream client (the requests on
+                     it fail now and move)
+
+`serve` starts the three servers: the control socket, the TCP endpoint (/metrics, /health,
+/livez, /readyz) and, when `supervisor.gateway` names an address, the OpenAI-compatible gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from engined.supervisor.clock import SystemClock
+from engined.supervisor.control import ControlContext, make_app
+from engined.supervisor.events import EventLog, transition
+from engined.supervisor.fleet import Fleet
+from engined.supervisor.gateway.app import ApiKey, Gateway
+from engined.supervisor.gateway.upstream import Upstream
+from engined.supervisor.host.exits import ChildWatcher
+from engined.supervisor.host.fdreserve import FdReserve
+from engined.supervisor.host.forkclient import ForkServerLauncher
+from engined.supervisor.host.guardctl import GuardControl
+from engined.supervisor.host.launcher import ExecLauncher, expose_engine_package
+from engined.supervisor.host.oom import OomWitness
+from engined.supervisor.host.reaper import Reaper
+from engined.supervisor.host.runtime import StartupError
+from engined.supervisor.ipc import EngineChannels
+from engined.supervisor.loopmonitor import LoopMonitor
+from engined.supervisor.monitoring import MonitoringEndpoint
+from engined.supervisor.notices import Notices, StateChange
+from engined.supervisor.probe import ProbeClient
+from engined.supervisor.replica import AddressBook, Replica, ReplicaDeps
+from engined.supervisor.routing import Router
+from engined.supervisor.sampler import Sampler
+from engined.supervisor.spec import FleetSpec
+from engined.supervisor.systemd import Notifier
+from engined.supervisor.webserver import make_runner
+
+log = logging.getLogger("engined")
+
+# Open connections per HTTP server: enough for operators (`logs -f` followers included) and for
+# Prometheus and probes; past it a connection is closed on accept (supervisor.webserver).
+MAX_CONTROL_CONNECTIONS = 256
+MAX_HTTP_CONNECTIONS = 64
+MAX_GATEWAY_CONNECTIONS = 1024  # clients of the OpenAI API (within the fd reserve)
+
+
+@dataclass(frozen=True)
+class Paths:
+    config: str  # the spec file, absolute
+    runtime_dir: Path
+    log_dir: Path
+
+    def control_socket(self, spec: FleetSpec) -> Path:
+        return Path(spec.supervisor.control_socket or self.runtime_dir / "control.sock")
+
+
+@dataclass(frozen=True)
+class Services:
+    clock: SystemClock
+    monitor: LoopMonitor
+    notifier: Notifier
+    sampler: Sampler
+    probes: ProbeClient
+    watcher: ChildWatcher
+    reaper: Reaper
+    guard: GuardControl
+    budget: FdReserve
+    launcher: ForkServerLauncher
+    channels: EngineChannels
+    router: Router
+    fleet: Fleet
+    events: EventLog
+    control: ControlContext
+    upstream: Upstream
+    gateway: Gateway | None
+
+    @classmethod
+    def build(cls, spec: FleetSpec, paths: Paths, nofile: int | None,
+              reload: Callable[[], Awaitable[dict]]) -> Services:
+        """Every service, in dependency order (call on the running loop)."""
+        loop, sup = asyncio.get_running_loop(), spec.supervisor
+        clock, notices, addresses = SystemClock(), Notices(), AddressBook()
+        monitor = LoopMonitor(clock, grace_s=sup.heartbeat_interval_s)
+        sampler, probes, notifier = Sampler(), ProbeClient(), Notifier()
+        watcher = ChildWatcher()  # every child's pidfd; the reaper reaps only others
+        reaper = Reaper(lambda: watcher.pids, lambda: watcher.holds > 0)
+        watcher.on_release = reaper.reap_orphans
+        # `fleet` is bound below: these run only once it exists
+        budget = FdReserve(lambda: fleet.starting())
+        channels = EngineChannels(str(paths.runtime_dir), lambda msg: fleet.on_message(msg))
+        router = Router(lambda: fleet.replicas.values(), clock.monotonic)
+        launcher = ForkServerLauncher(
+            ExecLauncher(loop, expose_engine_package(paths.runtime_dir / "python"),
+                         budget=budget, nofile=nofile, watcher=watcher), paths.log_dir)
+        deps = ReplicaDeps(
+            loop=loop, clock=clock, launcher=launcher, log_dir=paths.log_dir,
+            control_endpoint=channels.control_endpoint,
+            request_endpoint=channels.request_endpoint,
+            heartbeat_interval_s=sup.heartbeat_interval_s,
+            heartbeat_timeout_s=sup.heartbeat_timeout_s, monitor=monitor, notices=notices,
+            addresses=addresses, reaper=reaper, nvml=sampler.nvml, oom=OomWitness(),
+            log_max_bytes=sup.log_max_bytes, log_backups=sup.log_backups, probes=probes,
+            in_flight=router.in_flight)
+        fleet = Fleet(spec, lambda engine, owner: Replica(engine, deps, owner), clock, router,
+                      addresses)
+        events = EventLog()
+        control = ControlContext(fleet, router, channels, sampler, events, paths.config,
+                                 reload=reload, fork_servers=launcher.describe)
+        upstream = Upstream()
+        gateway = (Gateway(router, channels, upstream, ApiKey(sup.api_key_file), clock.monotonic)
+                   if sup.gateway is not None else None)
+
+        def on_state(change: StateChange) -> None:
+            events.publish(transition(change.view, change.old.value))
+            notifier.status(status_line(fleet))
+
+        notices.state.subscribe(on_state)
+        notices.state.subscribe(router.on_state)
+        notices.lost.subscribe(channels.on_lost)
+        notices.lost.subscribe(upstream.on_lost)
+        return cls(clock, monitor, notifier, sampler, probes, watcher, reaper,
+                   GuardControl(watcher), budget, launcher, channels, router, fleet, events,
+                   control, upstream, gateway)
+
+    async def serve(self, spec: FleetSpec, paths: Paths) -> list[web.AppRunner]:
+        """The control socket, the TCP endpoint and the gateway, serving."""
+        runners = [await self._serve_control(paths.control_socket(spec))]
+        sup = spec.supervisor
+        if sup.http is not None:
+            endpoint = MonitoringEndpoint(self.fleet, self.channels, self.sampler, self.monitor,
+                                          self.gateway)
+            runners.append(await self._serve_tcp(endpoint.make_app(), sup.http,
+                                                 MAX_HTTP_CONNECTIONS, "HTTP", "http"))
+            log.info("[http] serving /metrics /health /livez /readyz on %s:%d", *sup.http)
+        if self.gateway is not None and sup.gateway is not None:
+            runners.append(await self._serve_tcp(self.gateway.make_app(), sup.gateway,
+                                                 MAX_GATEWAY_CONNECTIONS, "the gateway",
+                                                 "gateway"))
+            log.info("[gateway] serving the OpenAI API (/v1/completions, /v1/chat/completions, "
+                     "/v1/models) on %s:%d%s", *sup.gateway,
+                     " (bearer token required)" if sup.api_key_file else "")
+        return runners
+
+    async def _serve_control(self, path: Path) -> web.AppRunner:
+        runner = make_runner(make_app(self.control), MAX_CONTROL_CONNECTIONS,
+                             self.budget.may_accept)
+        await runner.setup()
+        path.unlink(missing_ok=True)  # stale from a dead daemon; we hold the lock
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window with looser modes
+        try:
+            await web.UnixSite(runner, str(path)).start()
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        log.info("[control] listening on %s", path)
+        return runner
+
+    async def _serve_tcp(self, app: web.Application, address: tuple[str, int],
+                         max_connections: int, what: str, key: str) -> web.AppRunner:
+        runner = make_runner(app, max_connections, self.budget.may_accept)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, address[0], address[1], reuse_address=True).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise StartupError(f"cannot serve {what} on {address[0]}:{address[1]} "
+                               f"(supervisor.{key}): {exc.strerror or exc}") from None
+        return runner
+
+    async def close(self) -> None:
+        """After the fleet has stopped: the fork servers, the guard, the clients and the engine
+        channels."""
+        self.monitor.stop()
+        await self.launcher.close()
+        await self.guard.close()
+        await self.probes.close()
+        await self.upstream.close()
+        await self.channels.close()
+        self.notifier.close()
+
+
+def status_line(fleet: Fleet) -> str:
+    """systemd's STATUS=."""
+    ready, wanted = fleet.counts()
+    return f"{ready}/{wanted} engines ready"
