@@ -18,7 +18,6 @@ import shutil
 
 from engined.supervisor.spec.checks import (
     BUILTIN_MODELS,
-    DEFAULT_HTTP,
     ENGINE_ENV,
     ENGINE_ENV_PREFIX,
     MAX_DURATION_S,
@@ -30,6 +29,7 @@ from engined.supervisor.spec.checks import (
 )
 from engined.supervisor.spec.format import format_fleet
 from engined.supervisor.spec.model import (
+    DEFAULT_HTTP,
     MAX_PROBLEMS,
     BackoffSpec,
     EngineSpec,

@@ -38,7 +38,6 @@ RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NOTIFY_SOCKET")  # plus the ENGINED_ pr
 # sets them through `env` (e.g. ENGINED_ECHO_FAIL for fault injection).
 ENGINE_ENV = ("ENGINED_CACHE_DIR", "ENGINED_FAULT_INJECTION")
 ENGINE_ENV_PREFIX = ("ENGINED_ECHO_", "ENGINED_FAULT_")
-DEFAULT_HTTP = ("127.0.0.1", 9400)
 
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -13,7 +13,6 @@ from engined.supervisor.spec.checks import (
     _BAD,
     _NAME_RE,
     BACKENDS,
-    DEFAULT_HTTP,
     LAUNCHERS,
     MAX_GPU_INDEX,
     RESERVED_NAMES,
@@ -45,6 +44,7 @@ from engined.supervisor.spec.checks import (
     _unknown_keys,
 )
 from engined.supervisor.spec.model import (
+    DEFAULT_HTTP,
     VLLM_PROGRESS,
     BackoffSpec,
     EngineSpec,
