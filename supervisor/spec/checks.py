@@ -260,6 +260,14 @@ def _optional_text(problems: _Problems, value: Any, path: str) -> Any:
     return None if value is None else _text(problems, value, path)
 
 
+def _engine_name(problems: _Problems, value: Any, path: str) -> Any:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        return problems.add(path, f"must match [a-z0-9][a-z0-9_.-]{{0,62}}, got {_describe(value)}")
+    if value in RESERVED_NAMES:
+        return problems.add(path, f"{value!r} is reserved (enginectl uses it for every engine)")
+    return value
+
+
 # Structured checks ----------------------------------------------------------------------------
 
 

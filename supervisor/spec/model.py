@@ -1,6 +1,7 @@
 """The resolved fleet: frozen dataclasses, and SpecError listing every problem found.
 
-A field's default is the default of the spec key that fills it.
+A field's default is the default of the spec key that fills it (spec/keys.py reads it from here),
+so every default is written once.
 """
 
 from __future__ import annotations
