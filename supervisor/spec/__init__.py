@@ -5,7 +5,9 @@ Three stages, each raising one SpecError that lists every problem as "FILE:LINE:
 2. text -> plain values plus a key-path -> line map, by composing YAML nodes with a bounded
    SafeLoader (depth and node-count limits, duplicate-key detection, basic scalar tags only);
 3. plain values -> FleetSpec (types, ranges, defaults merged, replicas expanded, cross checks).
-                                                                     (checks, resolve)
+                                                                     (checks, keys, resolve)
+Each spec key is defined once, in keys.KEYS: where it may be written, its check, its default, its
+meaning and its part of the `engined --check` listing (format).
 Pure: no processes, no clock, no torch. Input is untrusted: nothing but SpecError escapes for any
 bytes (fuzzed).
 """
@@ -18,7 +20,6 @@ import shutil
 
 from engined.supervisor.spec.checks import (
     BUILTIN_MODELS,
-    DEFAULT_HTTP,
     ENGINE_ENV,
     ENGINE_ENV_PREFIX,
     MAX_DURATION_S,
@@ -30,6 +31,7 @@ from engined.supervisor.spec.checks import (
 )
 from engined.supervisor.spec.format import format_fleet
 from engined.supervisor.spec.model import (
+    DEFAULT_HTTP,
     MAX_PROBLEMS,
     BackoffSpec,
     EngineSpec,

@@ -38,7 +38,6 @@ RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NOTIFY_SOCKET")  # plus the ENGINED_ pr
 # sets them through `env` (e.g. ENGINED_ECHO_FAIL for fault injection).
 ENGINE_ENV = ("ENGINED_CACHE_DIR", "ENGINED_FAULT_INJECTION")
 ENGINE_ENV_PREFIX = ("ENGINED_ECHO_", "ENGINED_FAULT_")
-DEFAULT_HTTP = ("127.0.0.1", 9400)
 
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -259,6 +258,14 @@ def _text(problems: _Problems, value: Any, path: str) -> Any:
 
 def _optional_text(problems: _Problems, value: Any, path: str) -> Any:
     return None if value is None else _text(problems, value, path)
+
+
+def _engine_name(problems: _Problems, value: Any, path: str) -> Any:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        return problems.add(path, f"must match [a-z0-9][a-z0-9_.-]{{0,62}}, got {_describe(value)}")
+    if value in RESERVED_NAMES:
+        return problems.add(path, f"{value!r} is reserved (enginectl uses it for every engine)")
+    return value
 
 
 # Structured checks ----------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""The resolved fleet: frozen dataclasses, and SpecError listing every problem found."""
+"""The resolved fleet: frozen dataclasses, and SpecError listing every problem found.
+
+A field's default is the default of the spec key that fills it (spec/keys.py reads it from here),
+so every default is written once.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_PROBLEMS = 50  # a generated 40,000-key mapping should not print 40,000 lines
+DEFAULT_HTTP = ("127.0.0.1", 9400)
 
 
 @dataclass(frozen=True)
@@ -41,17 +46,17 @@ class SpecError(Exception):
 
 @dataclass(frozen=True)
 class BackoffSpec:
-    initial_s: float
-    max_s: float
-    factor: float
-    jitter: float
-    reset_after_s: float
+    initial_s: float = 1.0
+    max_s: float = 30.0
+    factor: float = 2.0
+    jitter: float = 0.1
+    reset_after_s: float = 60.0
 
 
 @dataclass(frozen=True)
 class StartLimitSpec:
-    burst: int
-    interval_s: float
+    burst: int = 5
+    interval_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -104,17 +109,17 @@ class EngineSpec:
     rank: int
     replicas: int
     model: ModelSpec
-    gpus: tuple[int, ...]  # physical indices: this replica's share of the group's gpus
-    data_parallel: bool
-    max_batch_size: int
-    threads: int
-    env: tuple[tuple[str, str], ...]  # sorted
-    restart: str
-    backoff: BackoffSpec
-    start_limit: StartLimitSpec
-    startup_timeout_s: float
-    stall_timeout_s: float
-    stop_timeout_s: float
+    gpus: tuple[int, ...] = ()  # physical indices: this replica's share of the group's gpus
+    data_parallel: bool = False
+    max_batch_size: int = 8
+    threads: int = 1
+    env: tuple[tuple[str, str], ...] = ()  # sorted
+    restart: str = "always"
+    backoff: BackoffSpec = BackoffSpec()
+    start_limit: StartLimitSpec = StartLimitSpec()
+    startup_timeout_s: float = 600.0
+    stall_timeout_s: float = 60.0
+    stop_timeout_s: float = 30.0
     python: str | None = None  # the child's interpreter (its own venv); None: engined's own
     backend: str = "transformers"  # transformers | vllm (builtin:echo: neither)
     engine_args: tuple[tuple[str, str], ...] = ()  # vLLM EngineArgs: (name, JSON value), sorted
@@ -140,14 +145,15 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class SupervisorSpec:
-    http: tuple[str, int] | None  # None: HTTP endpoint off
-    gateway: tuple[str, int] | None  # the OpenAI-compatible API; None: off
-    api_key_file: str | None  # a bearer token the gateway requires (re-read on reload)
-    control_socket: str | None  # None: the daemon's default location
-    runtime_dir: str | None
-    log_dir: str | None
-    heartbeat_interval_s: float
-    heartbeat_timeout_s: float
+    http: tuple[str, int] | None = DEFAULT_HTTP  # None: HTTP endpoint off
+    # the OpenAI-compatible API; None: off, the default (two daemons never fight over a port)
+    gateway: tuple[str, int] | None = None
+    api_key_file: str | None = None  # a bearer token the gateway requires (re-read on reload)
+    control_socket: str | None = None  # None: the daemon's default location
+    runtime_dir: str | None = None
+    log_dir: str | None = None
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
     launcher: str = "forkserver"  # every engine's, unless it sets its own
     log_max_bytes: int = 10 * 1024 * 1024  # each engine's log file is rotated past this
     log_backups: int = 3  # rotated files kept (NAME.log.1 ... .N); 0: start the file again

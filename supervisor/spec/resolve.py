@@ -1,180 +1,52 @@
 """Stage 3: plain values -> FleetSpec (types, ranges, defaults merged, replicas expanded, cross
-checks across engines)."""
+checks across engines). Which keys each section allows, their checks and defaults come from
+spec/keys.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from engined.supervisor.spec.checks import (
     _BAD,
-    _NAME_RE,
-    BACKENDS,
-    DEFAULT_HTTP,
-    LAUNCHERS,
-    MAX_GPU_INDEX,
-    RESERVED_NAMES,
-    RESTART_POLICIES,
     _any_bad,
-    _bool,
-    _Check,
-    _command,
-    _duration,
-    _engine_args,
-    _enum,
-    _env,
-    _factor,
     _fmt_duration,
-    _gpus,
-    _http,
-    _int_in,
-    _jitter,
     _Located,
     _mapping,
-    _model,
-    _openai,
-    _optional_text,
-    _port,
-    _probe,
     _Problems,
-    _progress,
-    _size,
     _unknown_keys,
+)
+from engined.supervisor.spec.keys import (
+    ALLOWED,
+    CHILD_ONLY,
+    COMMAND_KEYS,
+    COMMAND_ONLY,
+    ENGINE_KEYS,
+    HINTS,
+    REQUIRED,
+    SETTING_KEYS,
+    SUPERVISOR_KEYS,
+    Key,
+    by_section,
+    fill,
 )
 from engined.supervisor.spec.model import (
     VLLM_PROGRESS,
-    BackoffSpec,
     EngineSpec,
     FleetSpec,
     ModelSpec,
     ProbeSpec,
-    ProgressSpec,
-    RolloutSpec,
-    StartLimitSpec,
     SupervisorSpec,
 )
 from engined.supervisor.spec.source import _describe, _join
 
-# Sections ------------------------------------------------------------------------------------
-
-_BACKOFF_CHECKS: dict[str, _Check] = {
-    "initial": _duration(positive=False),
-    "max": _duration(positive=False),
-    "factor": _factor,
-    "jitter": _jitter,
-    "reset_after": _duration(positive=False),
-}
-_ROLLOUT_CHECKS: dict[str, _Check] = {
-    "max_unavailable": _int_in(1, 1024),
-    "max_surge": _int_in(0, 1024),
-}
-_START_LIMIT_CHECKS: dict[str, _Check] = {
-    "burst": _int_in(1, 1_000_000),
-    "interval": _duration(positive=True),
-}
-_NESTED: dict[str, dict[str, _Check]] = {
-    "backoff": _BACKOFF_CHECKS,
-    "start_limit": _START_LIMIT_CHECKS,
-    "rollout": _ROLLOUT_CHECKS,
-}
-_SETTING_CHECKS: dict[str, _Check] = {
-    "restart": _enum(RESTART_POLICIES),
-    "startup_timeout": _duration(positive=True),
-    "stall_timeout": _duration(positive=True),
-    "stop_timeout": _duration(positive=True),
-    "model": _model,
-    "gpus": _gpus,
-    "gpus_per_replica": _int_in(0, MAX_GPU_INDEX + 1),
-    "data_parallel": _bool,
-    "max_batch_size": _int_in(1, 4096),
-    "threads": _int_in(1, 1024),
-    "env": _env,
-    "python": _optional_text,
-    "backend": _enum(BACKENDS),
-    "engine_args": _engine_args,
-    "served_model_name": _optional_text,
-    "queue_limit": _int_in(1, 1_000_000),
-    "request_timeout": _duration(positive=True),
-    "migration_limit": _int_in(0, 100),
-    "probe": _probe,
-    "launcher": _enum(LAUNCHERS),
-    "standby": _int_in(0, 64),
-}
-_SETTING_KEYS = (*_SETTING_CHECKS, *_NESTED)
-# A command engine (a server engined did not write) is one engine's own business: these keys
-# are set per engine, never in defaults.
-_COMMAND_CHECKS: dict[str, _Check] = {
-    "command": _command,
-    "port": _port,
-    "cwd": _optional_text,
-    "progress": _progress,
-    "openai": _openai,
-}
-_ENGINE_ONLY = ("name", "replicas", *_COMMAND_CHECKS)
-# what only engined's own engine child uses: not for a command engine
-_CHILD_ONLY = ("model", "backend", "engine_args", "python")
+# every engine-level key's default: what an engine has before defaults: and its own keys apply
 _BUILTIN_SETTINGS: dict[str, _Located] = {
-    key: (value, None)
-    for key, value in {
-        "restart": "always",
-        "startup_timeout": 600.0,
-        "stall_timeout": 60.0,
-        "stop_timeout": 30.0,
-        "gpus": (),
-        "gpus_per_replica": 0,
-        "data_parallel": False,
-        "max_batch_size": 8,
-        "threads": 1,
-        "env": (),
-        "python": None,
-        "backend": "transformers",
-        "engine_args": (),
-        "served_model_name": None,
-        "queue_limit": 256,
-        "request_timeout": 600.0,
-        "migration_limit": 3,
-        "probe": None,  # a command engine with a port gets ProbeSpec()
-        "launcher": None,  # the supervisor's
-        "standby": 0,
-        "rollout.max_unavailable": 1,
-        "rollout.max_surge": 0,
-        "backoff.initial": 1.0,
-        "backoff.max": 30.0,
-        "backoff.factor": 2.0,
-        "backoff.jitter": 0.1,
-        "backoff.reset_after": 60.0,
-        "start_limit.burst": 5,
-        "start_limit.interval": 120.0,
-    }.items()
-}
-_SUPERVISOR_CHECKS: dict[str, _Check] = {
-    "http": _http,
-    "gateway": _http,
-    "api_key_file": _optional_text,
-    "control_socket": _optional_text,
-    "runtime_dir": _optional_text,
-    "log_dir": _optional_text,
-    "heartbeat_interval": _duration(positive=True),
-    "heartbeat_timeout": _duration(positive=True),
-    "launcher": _enum(LAUNCHERS),
-    "log_max_bytes": _size(4096, 1 << 40),
-    "log_backups": _int_in(0, 100),
-}
-_SUPERVISOR_DEFAULTS: dict[str, Any] = {
-    "http": DEFAULT_HTTP,
-    "gateway": None,  # off unless asked for: two daemons never fight over a port
-    "api_key_file": None,
-    "control_socket": None,
-    "runtime_dir": None,
-    "log_dir": None,
-    "heartbeat_interval": 1.0,
-    "heartbeat_timeout": 10.0,
-    "launcher": "forkserver",
-    "log_max_bytes": 10 * 1024 * 1024,
-    "log_backups": 3,
+    key.name: (key.default, None) for key in (*SETTING_KEYS, *COMMAND_KEYS)
+    if key.default is not REQUIRED
 }
 
 
@@ -209,11 +81,10 @@ def _check_version(problems: _Problems, top: Mapping[str, Any]) -> None:
 
 def _supervisor(problems: _Problems, raw: Any) -> SupervisorSpec:
     section = _mapping(problems, raw, "supervisor", null_ok=True) or {}
-    _unknown_keys(problems, section, "supervisor", _SUPERVISOR_CHECKS, _elsewhere("supervisor"))
-    values = dict(_SUPERVISOR_DEFAULTS)
-    for key, check in _SUPERVISOR_CHECKS.items():
-        if key in section:
-            values[key] = check(problems, section[key], f"supervisor.{key}")
+    _unknown_keys(problems, section, "supervisor", ALLOWED["supervisor"], HINTS["supervisor"])
+    values = {key.name: key.default for key in SUPERVISOR_KEYS}
+    for name, (value, _) in _check_keys(problems, section, "supervisor", SUPERVISOR_KEYS).items():
+        values[name] = value
     interval, timeout = values["heartbeat_interval"], values["heartbeat_timeout"]
     if not _any_bad(interval, timeout) and timeout <= interval:
         path = (
@@ -230,60 +101,36 @@ def _supervisor(problems: _Problems, raw: Any) -> SupervisorSpec:
     if not _any_bad(gateway, http) and gateway is not None and gateway == http:
         problems.add("supervisor.gateway", f"gateway and http cannot share {gateway[0]}:"
                                            f"{gateway[1]}")
-    return SupervisorSpec(
-        http=values["http"],
-        gateway=values["gateway"],
-        api_key_file=values["api_key_file"],
-        control_socket=values["control_socket"],
-        runtime_dir=values["runtime_dir"],
-        log_dir=values["log_dir"],
-        heartbeat_interval_s=interval,
-        heartbeat_timeout_s=timeout,
-        launcher=values["launcher"],
-        log_max_bytes=values["log_max_bytes"],
-        log_backups=values["log_backups"],
-    )
-
-
-def _elsewhere(section: str) -> dict[str, str]:
-    """A key that exists in another section: say where it belongs (not "did you mean ...")."""
-    out: dict[str, str] = {}
-    if section != "supervisor":
-        out.update({key: f"{key!r} belongs under supervisor: (it is engined's own setting)"
-                    for key in _SUPERVISOR_CHECKS if key not in _SETTING_CHECKS})
-    if section == "supervisor":
-        out.update({key: f"{key!r} is an engine setting: put it under defaults: (every engine) "
-                         f"or in an engine"
-                    for key in _SETTING_KEYS if key not in _SUPERVISOR_CHECKS})
-        out.update({key: f"{key!r} is set per engine, under engines:" for key in _ENGINE_ONLY})
-    return out
+    return fill(SupervisorSpec, {key.field: values[key.name] for key in SUPERVISOR_KEYS
+                                 if key.field is not None})
 
 
 def _defaults(problems: _Problems, raw: Any) -> dict[str, _Located]:
     section = _mapping(problems, raw, "defaults", null_ok=True) or {}
-    hints = {key: f"{key!r} can only be set per engine, not in defaults" for key in _ENGINE_ONLY}
-    _unknown_keys(problems, section, "defaults", _SETTING_KEYS,
-                  {**_elsewhere("defaults"), **hints})
-    return _settings(problems, section, "defaults")
+    _unknown_keys(problems, section, "defaults", ALLOWED["defaults"], HINTS["defaults"])
+    return _check_keys(problems, section, "defaults", SETTING_KEYS)
 
 
-def _settings(problems: _Problems, section: Mapping[str, Any], path: str) -> dict[str, _Located]:
-    """The engine-level settings present in `section`, flattened ("backoff.initial") and located."""
+def _check_keys(problems: _Problems, section: Mapping[str, Any], path: str,
+                keys: Iterable[Key]) -> dict[str, _Located]:
+    """Those of `keys` present in `section`, checked and located; a nested section's keys come
+    flattened ("backoff.initial")."""
     out: dict[str, _Located] = {}
-    for key, check in _SETTING_CHECKS.items():
-        if key in section:
-            out[key] = (check(problems, section[key], _join(path, key)), _join(path, key))
-    for key, checks in _NESTED.items():
-        if key not in section:
+    for top, group in by_section(keys):
+        if top not in section:
             continue
-        nested = _mapping(problems, section[key], _join(path, key), null_ok=True)
+        at = _join(path, top)
+        if group[0].name == top:  # a plain key
+            out[top] = (group[0].check(problems, section[top], at), at)
+            continue
+        nested = _mapping(problems, section[top], at, null_ok=True)
         if nested is None:
             continue
-        _unknown_keys(problems, nested, _join(path, key), checks)
-        for sub, check in checks.items():
+        subs = {key.name[len(top) + 1:]: key for key in group}
+        _unknown_keys(problems, nested, at, subs)
+        for sub, key in subs.items():
             if sub in nested:
-                sub_path = f"{_join(path, key)}.{sub}"
-                out[f"{key}.{sub}"] = (check(problems, nested[sub], sub_path), sub_path)
+                out[key.name] = (key.check(problems, nested[sub], f"{at}.{sub}"), f"{at}.{sub}")
     return out
 
 
@@ -327,13 +174,17 @@ def _group(
     section = _mapping(problems, raw, path)
     if section is None:
         return None
-    _unknown_keys(problems, section, path, (*_SETTING_KEYS, *_ENGINE_ONLY), _elsewhere("engine"))
-    name = _engine_name(problems, section.get("name"), f"{path}.name", "name" in section)
-    replicas = _int_in(1, 1024)(problems, section.get("replicas", 1), f"{path}.replicas")
-    settings = {**_BUILTIN_SETTINGS, **defaults, **_settings(problems, section, path)}
-    for key, check in _COMMAND_CHECKS.items():
-        if key in section:
-            settings[key] = (check(problems, section[key], f"{path}.{key}"), f"{path}.{key}")
+    _unknown_keys(problems, section, path, ALLOWED["engine"], HINTS["engine"])
+    if "name" in section:
+        name = ENGINE_KEYS["name"].check(problems, section["name"], f"{path}.name")
+    else:
+        name = problems.add(f"{path}.name", "required: each engine needs a name")
+    replicas_key = ENGINE_KEYS["replicas"]
+    replicas = replicas_key.check(problems, section.get("replicas", replicas_key.default),
+                                  f"{path}.replicas")
+    settings = {**_BUILTIN_SETTINGS, **defaults,
+                **_check_keys(problems, section, path, SETTING_KEYS),
+                **_check_keys(problems, section, path, COMMAND_KEYS)}
     if "command" in section:
         _check_command(problems, settings, section, path)
     elif "model" not in settings:
@@ -344,7 +195,7 @@ def _group(
     _check_backoff(problems, settings, path)
     if "command" not in section:
         _check_backend(problems, settings, path)
-        for key in ("port", "cwd", "progress", "openai"):
+        for key in COMMAND_ONLY:
             if key in section:
                 problems.add(f"{path}.{key}", f"{key} applies to command engines only (this "
                                               f"engine runs a model; add command: [...])")
@@ -360,7 +211,7 @@ def _group(
                      f"not join a running torch.distributed group){_for(standby_at or path, path)}")
     if replicas is not _BAD:
         _check_gpu_split(problems, settings, replicas, path)
-        port = settings.get("port", (None, None))[0]
+        port = settings["port"][0]
         if port not in (None, 0, _BAD) and port + replicas - 1 > 65535:
             problems.add(f"{path}.port", f"replicas use ports {port}..{port + replicas - 1}: "
                                          f"past 65535")
@@ -381,7 +232,7 @@ def _check_command(problems: _Problems, s: dict[str, _Located], section: Mapping
         problems.add(standby_at or f"{path}.standby",
                      f"standby is not supported for a command engine yet (its server's port "
                      f"and probes are its own){_for(standby_at or path, path)}")
-    for key in _CHILD_ONLY:
+    for key in CHILD_ONLY:
         if key in section:
             problems.add(f"{path}.{key}", f"{key} and command are exclusive: a command engine "
                                           f"runs its own server (put {key} in its arguments)")
@@ -391,7 +242,7 @@ def _check_command(problems: _Problems, s: dict[str, _Located], section: Mapping
                      f"data_parallel: true is not supported for a command engine (engined "
                      f"cannot form its torch.distributed group){_for(dp_at or path, path)}")
     argv = s["command"][0]
-    port = s.get("port", (None, None))[0]
+    port = s["port"][0]
     needs_port = [key for key in ("progress", "openai") if key in section]
     probe, probe_at = s["probe"]
     if probe not in (None, False, _BAD):
@@ -408,16 +259,6 @@ def _check_command(problems: _Problems, s: dict[str, _Located], section: Mapping
     if port is not None and env is not _BAD and any(k == "PORT" for k, _ in env):
         problems.add(f"{env_at or path + '.env'}.PORT", "PORT is set by engined for a command "
                                                         "engine with a port")
-
-
-def _engine_name(problems: _Problems, value: Any, path: str, present: bool) -> Any:
-    if not present:
-        return problems.add(path, "required: each engine needs a name")
-    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
-        return problems.add(path, f"must match [a-z0-9][a-z0-9_.-]{{0,62}}, got {_describe(value)}")
-    if value in RESERVED_NAMES:
-        return problems.add(path, f"{value!r} is reserved (enginectl uses it for every engine)")
-    return value
 
 
 def _blame(engine_path: str, *located: _Located) -> str | None:
@@ -564,33 +405,13 @@ def _check_gpu_overlap(problems: _Problems, groups: list[_Group]) -> None:
 
 
 def _expand(g: _Group) -> list[EngineSpec]:
-    s = {key: value for key, (value, _) in g.settings.items()}
-    backoff = BackoffSpec(
-        initial_s=s["backoff.initial"],
-        max_s=s["backoff.max"],
-        factor=s["backoff.factor"],
-        jitter=s["backoff.jitter"],
-        reset_after_s=s["backoff.reset_after"],
-    )
-    start_limit = StartLimitSpec(burst=s["start_limit.burst"], interval_s=s["start_limit.interval"])
-    per = s["gpus_per_replica"]
-    command, port = s.get("command", ()), s.get("port")
-    probe, progress = s["probe"], s.get("progress")
-    if command:
-        model = ModelSpec(source=f"command:{command[0]}", builtin=None, path=None, dtype=None)
-        if probe is None:
-            probe = ProbeSpec() if port is not None else False
-    else:
-        model, probe = s["model"], False
-    # progress: vllm means the server is vLLM's: its API (and extensions) come with it
-    openai = s.get("openai", "vllm" if progress == VLLM_PROGRESS else "")
-    serving = [_replica(g, s, rank, per, model, backoff, start_limit, command, port, probe,
-                        progress, openai) for rank in range(g.replicas)]
+    group = _group_fields(g)
+    per = g.settings["gpus_per_replica"][0]
+    serving = [_replica(group, g, rank, per) for rank in range(g.replicas)]
     # warm spares: built like a replica on GPUs of their own (after the replicas' in `gpus`)
-    spares = [dataclasses.replace(_replica(g, s, g.replicas + k, per, model, backoff,
-                                           start_limit, command, port, probe, progress, openai),
+    spares = [dataclasses.replace(_replica(group, g, g.replicas + k, per),
                                   name=standby_name(g.name, k), standby=True, rank=k)
-              for k in range(s["standby"])]
+              for k in range(g.settings["standby"][0])]
     return serving + spares
 
 
@@ -598,40 +419,36 @@ def standby_name(group: str, k: int) -> str:
     return f"{group}-standby-{k}"
 
 
-def _replica(g: _Group, s: dict[str, Any], rank: int, per: int, model: ModelSpec,
-         backoff: BackoffSpec, start_limit: StartLimitSpec, command: tuple[str, ...],
-         port: int | None, probe: Any, progress: ProgressSpec | None,
-         openai: str) -> EngineSpec:
-    return EngineSpec(
-        name=f"{g.name}-{rank}",
-        group=g.name,
-        rank=rank,
-        replicas=g.replicas,
-        model=model,
-        gpus=tuple(s["gpus"][rank * per : (rank + 1) * per]),
-        data_parallel=s["data_parallel"],
-        max_batch_size=s["max_batch_size"],
-        threads=s["threads"],
-        env=s["env"],
-        restart=s["restart"],
-        backoff=backoff,
-        start_limit=start_limit,
-        startup_timeout_s=s["startup_timeout"],
-        stall_timeout_s=s["stall_timeout"],
-        stop_timeout_s=s["stop_timeout"],
-        served_model_name=s["served_model_name"] or g.name,
-        queue_limit=s["queue_limit"],
-        request_timeout_s=s["request_timeout"],
-        migration_limit=s["migration_limit"],
-        rollout=RolloutSpec(s["rollout.max_unavailable"], s["rollout.max_surge"]),
-        command=command,
-        port=None if port is None else (port + rank if port else 0),
-        cwd=s.get("cwd"),
-        probe=probe or None,
-        progress=progress,
-        openai=openai,
-        python=None if command else s["python"],
-        backend="command" if command else s["backend"],
-        engine_args=() if command else s["engine_args"],
-        launcher="exec" if command else s["launcher"] or "",
-    )
+def _group_fields(g: _Group) -> dict[str, Any]:
+    """The EngineSpec fields every replica of the group shares: each key's value in the field it
+    fills, then what depends on the kind of engine."""
+    s = {key: value for key, (value, _) in g.settings.items()}
+    fields = {key.field: s[key.name] for key in ENGINE_KEYS.values()
+              if key.field is not None and key.name in s}
+    fields.update(group=g.name, replicas=g.replicas,
+                  served_model_name=s["served_model_name"] or g.name)
+    command, probe = s["command"], s["probe"]
+    if command:
+        if probe is None:  # a server with a port is probed unless it says probe: off
+            probe = ProbeSpec() if s["port"] is not None else False
+        fields.update(model=ModelSpec(source=f"command:{command[0]}", builtin=None, path=None,
+                                      dtype=None),
+                      python=None, backend="command", engine_args=(), launcher="exec")
+    else:
+        probe = False  # engined's own engines heartbeat
+        fields.update(launcher=s["launcher"] or "")  # "": the supervisor's, filled in later
+    fields.update(probe=probe or None)
+    if s["openai"] is None:  # progress: vllm means the server is vLLM's: its API comes with it
+        fields.update(openai="vllm" if s["progress"] == VLLM_PROGRESS else "")
+    return fields
+
+
+def _replica(group: dict[str, Any], g: _Group, rank: int, per: int) -> EngineSpec:
+    port = group["port"]
+    return fill(EngineSpec, {
+        **group,
+        "name": f"{g.name}-{rank}",
+        "rank": rank,
+        "gpus": tuple(group["gpus"][rank * per : (rank + 1) * per]),
+        "port": None if port is None else (port + rank if port else 0),
+    })

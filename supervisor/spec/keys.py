@@ -1,0 +1,416 @@
+"""Every spec key, defined once: where it may be written, its check, its default, what it means and
+how `engined --check` shows it.
+
+The rest of the package derives from KEYS: the keys each section allows and the "belongs under
+..." hints, validation and the built-in defaults (resolve), the fields of the resolved
+dataclasses (resolve, through `fill`), and the --check listing (format). A new key is one entry
+here, plus the SupervisorSpec/EngineSpec field it fills.
+
+A key's default is written once. Most keys take the default of the field they fill
+(`queue_limit: int = 256` in model.py); a key with no field of that meaning (gpus_per_replica,
+standby) or whose field means something else before resolution (an engine's launcher: unset means
+the supervisor's) states its own.
+
+KEYS's order counts twice: a --check row shows its parts in this order, and problems found on one
+YAML line are listed in this order (the order the keys are checked in).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any, TypeVar
+
+from engined.supervisor.spec.checks import (
+    BACKENDS,
+    LAUNCHERS,
+    MAX_GPU_INDEX,
+    RESTART_POLICIES,
+    _bool,
+    _Check,
+    _command,
+    _duration,
+    _engine_args,
+    _engine_name,
+    _enum,
+    _env,
+    _factor,
+    _fmt_duration,
+    _gpus,
+    _http,
+    _int_in,
+    _jitter,
+    _model,
+    _openai,
+    _optional_text,
+    _port,
+    _probe,
+    _progress,
+    _size,
+)
+from engined.supervisor.spec.model import (
+    EngineSpec,
+    ModelSpec,
+    ProbeSpec,
+    ProgressSpec,
+    SupervisorSpec,
+)
+
+# The resolved dataclasses ------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def field_default(owner: type, path: str) -> Any:
+    """The default of the field at `path` ("backoff.initial_s") of the dataclass `owner`."""
+    head, _, rest = path.partition(".")
+    field = next(f for f in dataclasses.fields(owner) if f.name == head)
+    if field.default is dataclasses.MISSING:
+        raise TypeError(f"{owner.__name__}.{head} has no default: give its key one")
+    return attrgetter(rest)(field.default) if rest else field.default
+
+
+def fill(owner: type[T], values: Mapping[str, Any]) -> T:
+    """`owner` built from {field path: value}: "backoff.initial_s" sets one field of the nested
+    BackoffSpec, whose other fields keep their defaults."""
+    flat: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for path, value in values.items():
+        head, dot, rest = path.partition(".")
+        if dot:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            flat[head] = value
+    for head, fields in nested.items():
+        flat[head] = dataclasses.replace(field_default(owner, head), **fields)
+    return owner(**flat)
+
+
+class Scope(enum.Enum):
+    """Where a key may be written."""
+
+    SUPERVISOR = "supervisor"  # under supervisor: (engined's own settings)
+    SETTING = "setting"  # under defaults: (every engine) or in an engine, which wins
+    ENGINE = "engine"  # in an engine only, never in defaults
+    COMMAND = "command"  # in a command engine only (a server engined did not write)
+
+    @property
+    def sections(self) -> tuple[str, ...]:
+        """The sections ("supervisor", "defaults", "engine") a key of this scope may be in."""
+        if self is Scope.SUPERVISOR:
+            return ("supervisor",)
+        return ("defaults", "engine") if self is Scope.SETTING else ("engine",)
+
+
+SECTIONS = ("supervisor", "defaults", "engine")
+FROM_FIELD: Any = object()  # a Key's default: the one the field it fills declares
+REQUIRED: Any = object()  # a Key's default: none, the key must be written
+
+
+@dataclass(frozen=True)
+class Shown:
+    """How `engined --check` shows a key: one part of a row (format.py lists the rows), after
+    the parts of the keys before it in KEYS."""
+
+    row: str
+    text: str = "{}"  # filled with the resolved value, after `fmt`
+    fmt: Callable[[Any], Any] | None = None  # returns None: the part is left out
+    sep: str = ", "  # between this part and the one before it
+
+    def render(self, value: Any) -> str | None:
+        shown = self.fmt(value) if self.fmt is not None else value
+        return None if shown is None else self.text.format(shown)
+
+
+@dataclass(frozen=True)
+class Key:
+    """One spec key. `name` is dotted in a nested section ("backoff.initial")."""
+
+    name: str
+    scope: Scope
+    check: _Check  # (problems, value, key path) -> the validated value, or _BAD
+    field: str | None  # the SupervisorSpec/EngineSpec attribute it fills ("backoff.initial_s")
+    doc: str
+    shown: Shown | None = None  # None: not in --check's rows (the header says it, or nothing)
+    default: Any = FROM_FIELD  # in the field's terms: seconds, bytes, ...
+    child_only: bool = False  # only engined's own engine child uses it (an error with command:)
+
+    def __post_init__(self) -> None:
+        if self.default is FROM_FIELD:
+            if self.field is None:
+                raise TypeError(f"key {self.name!r} fills no field: give it a default")
+            object.__setattr__(self, "default", field_default(self.owner, self.field))
+
+    @property
+    def owner(self) -> type:
+        """The resolved dataclass whose field it fills."""
+        return SupervisorSpec if self.scope is Scope.SUPERVISOR else EngineSpec
+
+    @property
+    def top(self) -> str:
+        """The key as written in its section: "backoff" for "backoff.initial"."""
+        return self.name.partition(".")[0]
+
+    def value_in(self, resolved: Any) -> Any:
+        """Its value in a resolved SupervisorSpec or EngineSpec."""
+        assert self.field is not None, self.name
+        return attrgetter(self.field)(resolved)
+
+
+# How --check shows values -------------------------------------------------------------------
+
+
+def _printable(text: str) -> str:
+    return text if text.isprintable() else repr(text)  # no terminal escapes from a spec
+
+
+def _address(address: tuple[str, int] | None) -> str:
+    return "off" if address is None else f"{address[0]}:{address[1]}"
+
+
+def _http_address(address: tuple[str, int] | None) -> str:
+    if address is not None and ":" in address[0]:
+        return f"[{address[0]}]:{address[1]}"
+    return _address(address)
+
+
+def _or_default(default: str) -> Callable[[str | None], str]:
+    return lambda path: _printable(path) if path else f"default ({default})"
+
+
+def _printable_if_set(text: str | None) -> str | None:
+    return _printable(text) if text else None
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n} bytes"
+
+
+def _model_text(model: ModelSpec) -> str:
+    return _printable(model.source) + (f" (dtype {model.dtype})" if model.dtype else "")
+
+
+def _port_text(port: int | None) -> str:
+    if port is None:
+        return "none"
+    return "auto (a free loopback port at each spawn)" if port == 0 else str(port)
+
+
+def _probe_text(probe: ProbeSpec | None) -> str:
+    if probe is None:
+        return "probe off"
+    return (f"probe GET {probe.path} every {_fmt_duration(probe.interval_s)}, timeout "
+            f"{_fmt_duration(probe.timeout_s)}, {probe.failures} failures = hung")
+
+
+def _progress_text(progress: ProgressSpec | None) -> str | None:
+    if progress is None:
+        return None
+    return f"progress {progress.counter} while {progress.busy} > 0 ({progress.metrics})"
+
+
+_DURATION = _duration(positive=True)
+_SECONDS = _duration(positive=False)  # 0 allowed
+
+# The keys ------------------------------------------------------------------------------------
+
+_SUP, _SET, _ENG, _CMD = Scope.SUPERVISOR, Scope.SETTING, Scope.ENGINE, Scope.COMMAND
+KEYS: tuple[Key, ...] = (
+    # supervisor:
+    Key("http", _SUP, _http, "http",
+        "/metrics /health /livez /readyz: HOST:PORT, or off", Shown("http", fmt=_http_address)),
+    Key("gateway", _SUP, _http, "gateway",
+        "the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models): "
+        "HOST:PORT; off when absent", Shown("gateway", fmt=_address)),
+    Key("api_key_file", _SUP, _optional_text, "api_key_file",
+        "a file holding the bearer token the gateway requires (re-read on reload)",
+        Shown("gateway", "(bearer token from {})", _printable_if_set, sep=" ")),
+    Key("control_socket", _SUP, _optional_text, "control_socket",
+        "enginectl's unix socket; null: <runtime_dir>/control.sock",
+        Shown("control_socket", fmt=_or_default("<runtime_dir>/control.sock"))),
+    Key("runtime_dir", _SUP, _optional_text, "runtime_dir",
+        "null: $RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/engined, else /tmp/engined-<uid>",
+        Shown("runtime_dir", fmt=_or_default(
+            "$RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/engined or /tmp/engined-<uid>"))),
+    Key("log_dir", _SUP, _optional_text, "log_dir",
+        "per-engine log files; null: $LOGS_DIRECTORY, else <runtime_dir>/logs",
+        Shown("log_dir", fmt=_or_default("$LOGS_DIRECTORY or <runtime_dir>/logs"))),
+    Key("heartbeat_interval", _SUP, _DURATION, "heartbeat_interval_s",
+        "how often a READY engine reports progress",
+        Shown("heartbeat", "every {}", _fmt_duration)),
+    Key("heartbeat_timeout", _SUP, _DURATION, "heartbeat_timeout_s",
+        "no heartbeat for this long: hung, killed and restarted (more than heartbeat_interval)",
+        Shown("heartbeat", "timeout {}", _fmt_duration)),
+    Key("launcher", _SUP, _enum(LAUNCHERS), "launcher",
+        "how engine children start: forkserver (forked from a preloaded server) or exec",
+        Shown("launcher")),
+    Key("log_max_bytes", _SUP, _size(4096, 1 << 40), "log_max_bytes",
+        "each engine's log file is rotated past this size (bytes; KiB, MiB, GiB accepted)",
+        Shown("log_rotation", "at {}", _fmt_bytes)),
+    Key("log_backups", _SUP, _int_in(0, 100), "log_backups",
+        "rotated files kept per engine (NAME.log.1 ... .N); 0: start the file again",
+        Shown("log_rotation", "{} backup(s) per engine")),
+    # an engine's own (the header of its --check rows shows them)
+    Key("name", _ENG, _engine_name, "group",
+        "the engine's name; its replicas are NAME-0, NAME-1, ...", default=REQUIRED),
+    Key("replicas", _ENG, _int_in(1, 1024), "replicas", "how many copies of the engine run",
+        default=1),
+    # defaults: or an engine
+    Key("restart", _SET, _enum(RESTART_POLICIES), "restart", "always | on-failure | never",
+        Shown("restart")),
+    Key("startup_timeout", _SET, _DURATION, "startup_timeout_s",
+        "spawn -> READY (model load and warm-up)", Shown("timeouts", "startup {}", _fmt_duration)),
+    Key("stall_timeout", _SET, _DURATION, "stall_timeout_s",
+        "no busy-loop progress this long while work is queued: stalled, restarted",
+        Shown("timeouts", "stall {}", _fmt_duration)),
+    Key("stop_timeout", _SET, _DURATION, "stop_timeout_s", "SIGTERM -> SIGKILL grace period",
+        Shown("timeouts", "stop {}", _fmt_duration)),
+    Key("model", _SET, _model, "model",
+        "builtin:echo, builtin:tiny-llama or {path: DIR, dtype: ...} (a Hugging Face directory)",
+        Shown("model", fmt=_model_text), default=REQUIRED, child_only=True),
+    Key("gpus", _SET, _gpus, "gpus", "physical GPU indices, split across the replicas in order",
+        Shown("gpus", fmt=lambda gpus: ",".join(map(str, gpus)) or "none (CPU)")),
+    Key("gpus_per_replica", _SET, _int_in(0, MAX_GPU_INDEX + 1), None,
+        "each replica's share of gpus: len(gpus) = (replicas + standby) x gpus_per_replica",
+        default=0),
+    Key("max_batch_size", _SET, _int_in(1, 4096), "max_batch_size",
+        "requests batched per busy-loop iteration", Shown("batch", "max_batch_size {}")),
+    Key("threads", _SET, _int_in(1, 1024), "threads",
+        "torch / OpenMP threads per child, so replicas don't oversubscribe the CPU",
+        Shown("batch", "threads {}")),
+    Key("data_parallel", _SET, _bool, "data_parallel",
+        "true: the replicas form one data-parallel group (gang restart)",
+        Shown("batch", "data_parallel {}", lambda dp: "yes" if dp else "no")),
+    Key("env", _SET, _env, "env",
+        "extra environment for the children (not CUDA_VISIBLE_DEVICES, NOTIFY_SOCKET, ENGINED_*)",
+        Shown("env", fmt=lambda env: " ".join(_printable(f"{k}={v}") for k, v in env) or "-")),
+    Key("python", _SET, _optional_text, "python",
+        "the children's interpreter (another venv's bin/python); null: engined's own",
+        Shown("python", fmt=_printable_if_set), child_only=True),
+    Key("backend", _SET, _enum(BACKENDS), "backend",
+        "transformers | vllm (builtin:echo uses neither)", Shown("backend"), child_only=True),
+    Key("engine_args", _SET, _engine_args, "engine_args",
+        "vLLM's EngineArgs (backend: vllm), e.g. {max_model_len: 4096}",
+        Shown("backend", "engine_args {}",
+              lambda args: ", ".join(f"{k}={v}" for k, v in args) or "-", sep="; "),
+        child_only=True),
+    Key("served_model_name", _SET, _optional_text, "served_model_name",
+        "the gateway's model name; null: the engine's name", Shown("serving", "as {}", _printable)),
+    Key("queue_limit", _SET, _int_in(1, 1_000_000), "queue_limit",
+        "gateway requests per group, running or waiting; more -> 429",
+        Shown("serving", "queue_limit {}")),
+    Key("request_timeout", _SET, _DURATION, "request_timeout_s",
+        "a gateway request's whole life, moves included; past it -> 503",
+        Shown("serving", "request_timeout {}", _fmt_duration)),
+    Key("migration_limit", _SET, _int_in(0, 100), "migration_limit",
+        "times a request may move to another replica when its engine dies",
+        Shown("serving", "migration_limit {}")),
+    # a command engine: a server engined did not write (`vllm serve`); its checks row shows
+    # port, probe, progress and openai in this order
+    Key("command", _CMD, _command, "command",
+        "the server's argv (no shell); replaces model: {port} is the replica's port",
+        Shown("command", fmt=lambda argv: _printable(" ".join(argv)))),
+    Key("port", _CMD, _port, "port",
+        "auto (a free loopback port at each spawn) or N (replica i on N + i); also $PORT",
+        Shown("checks", "port {}", _port_text)),
+    Key("cwd", _CMD, _optional_text, "cwd", "the server's working directory; null: engined's",
+        Shown("cwd", fmt=lambda cwd: _printable(cwd or "-"))),
+    Key("probe", _SET, _probe, "probe",
+        "{path, interval, timeout, failures}: READY at the first 2xx, hung after failures in a "
+        "row (command engines with a port; off: none)", Shown("checks", fmt=_probe_text, sep="; ")),
+    Key("progress", _CMD, _progress, "progress",
+        "vllm, or {metrics: PATH, busy: GAUGE, counter: COUNTER}: the server's progress",
+        Shown("checks", fmt=_progress_text, sep="; ")),
+    Key("openai", _CMD, _openai, "openai",
+        "true: the gateway routes to its OpenAI API (vllm: with vLLM's extensions); unset: vllm "
+        "with progress: vllm, else false",
+        Shown("checks", "openai {}", lambda api: api or "no", sep="; "), default=None),
+    # engined's own engines
+    Key("launcher", _SET, _enum(LAUNCHERS), "launcher",
+        "this engine's launcher: overrides supervisor.launcher (command engines: always exec)",
+        Shown("batch", "launcher {}"), default=None),
+    Key("standby", _SET, _int_in(0, 64), None,
+        "warm spares (NAME-standby-K): built, not routed; one takes over a replica that dies",
+        default=0),
+    # nested sections (checked after the plain keys)
+    Key("backoff.initial", _SET, _SECONDS, "backoff.initial_s",
+        "the wait after the 2nd consecutive failure (the 1st after a stable run restarts at once)",
+        Shown("backoff", "initial {}", _fmt_duration)),
+    Key("backoff.max", _SET, _SECONDS, "backoff.max_s", "the longest wait",
+        Shown("backoff", "max {}", _fmt_duration)),
+    Key("backoff.factor", _SET, _factor, "backoff.factor",
+        "each further failure waits this x longer", Shown("backoff", "factor {:g}")),
+    Key("backoff.jitter", _SET, _jitter, "backoff.jitter",
+        "+/- this fraction of the wait, at random", Shown("backoff", "jitter {:g}")),
+    Key("backoff.reset_after", _SET, _SECONDS, "backoff.reset_after_s",
+        "READY this long resets the failure count", Shown("backoff", "reset after {}",
+                                                          _fmt_duration)),
+    Key("start_limit.burst", _SET, _int_in(1, 1_000_000), "start_limit.burst",
+        "more failures than this within interval: FAILED until enginectl start",
+        Shown("restart", "start_limit {}", sep="; ")),
+    Key("start_limit.interval", _SET, _DURATION, "start_limit.interval_s",
+        "the window start_limit.burst counts failures in",
+        Shown("restart", "in {}", _fmt_duration, sep=" ")),
+    Key("rollout.max_unavailable", _SET, _int_in(1, 1024), "rollout.max_unavailable",
+        "replicas out of routing at once while a restart or reload replaces them",
+        Shown("serving", "rollout max_unavailable {}")),
+    Key("rollout.max_surge", _SET, _int_in(0, 1024), "rollout.max_surge",
+        "extra replicas started first (engines without GPUs only)",
+        Shown("serving", "max_surge {}", sep=" ")),
+)
+
+# Derived views -------------------------------------------------------------------------------
+
+
+def _of(*scopes: Scope) -> tuple[Key, ...]:
+    return tuple(key for key in KEYS if key.scope in scopes)
+
+
+SUPERVISOR_KEYS = _of(Scope.SUPERVISOR)
+SETTING_KEYS = _of(Scope.SETTING)
+ENGINE_ONLY_KEYS = _of(Scope.ENGINE)
+COMMAND_KEYS = _of(Scope.COMMAND)
+ENGINE_KEYS = {key.name: key for key in _of(Scope.SETTING, Scope.ENGINE, Scope.COMMAND)}
+CHILD_ONLY = tuple(key.name for key in KEYS if key.child_only)
+# what only a command engine may set (command itself marks one)
+COMMAND_ONLY = tuple(key.name for key in COMMAND_KEYS if key.name != "command")
+
+# the keys each section allows, as written there (a nested section is one key)
+ALLOWED: Mapping[str, tuple[str, ...]] = {
+    section: tuple(dict.fromkeys(key.top for key in KEYS if section in key.scope.sections))
+    for section in SECTIONS
+}
+
+
+def _belongs(key: Key, section: str) -> str:
+    """Where a key written in the wrong section belongs (said instead of "did you mean ...")."""
+    if key.scope is Scope.SUPERVISOR:
+        return f"{key.top!r} belongs under supervisor: (it is engined's own setting)"
+    if key.scope is Scope.SETTING:
+        return (f"{key.top!r} is an engine setting: put it under defaults: (every engine) or in "
+                f"an engine")
+    if section == "defaults":
+        return f"{key.top!r} can only be set per engine, not in defaults"
+    return f"{key.top!r} is set per engine, under engines:"
+
+
+HINTS: Mapping[str, Mapping[str, str]] = {
+    section: {key.top: _belongs(key, section) for key in KEYS
+              if key.top not in ALLOWED[section]}
+    for section in SECTIONS
+}
+
+
+def by_section(keys: Iterable[Key]) -> list[tuple[str, tuple[Key, ...]]]:
+    """`keys` grouped as written in a section: a plain key alone, a nested section's keys
+    together (its name, its keys), in KEYS order."""
+    out: dict[str, list[Key]] = {}
+    for key in keys:
+        out.setdefault(key.top, []).append(key)
+    return [(top, tuple(group)) for top, group in out.items()]
