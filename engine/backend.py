@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
-    from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Sampling
+    from engined.engine.protocol import ChatMessage, GpuMemory, Sampling
 
 ProgressFn = Callable[[str, str], None]
 
@@ -140,30 +140,3 @@ def torch_gpu_memory(torch: Any, gpus: list[int]) -> list[GpuMemory]:
                       reserved_bytes=cuda.memory_reserved(i),
                       peak_bytes=cuda.max_memory_allocated(i))
             for i, physical in enumerate(gpus[: cuda.device_count()])]
-
-
-# --- which backend an engine gets -------------------------------------------------------------
-
-BACKENDS = ("transformers", "vllm")
-
-
-def build_backend(config: EngineConfig, progress: ProgressFn) -> Backend:
-    """Dispatch on the model source and the backend; heavy imports happen only in the branch
-    that needs them."""
-    if config.model == "builtin:echo":
-        from engined.engine.echo import EchoBackend
-
-        return EchoBackend.build(progress)
-    if config.model.startswith("builtin:") and config.model != "builtin:tiny-llama":
-        raise EngineConfigError(f"unknown builtin model {config.model!r}")
-    if config.backend == "vllm":
-        from engined.engine.vllm_backend import build_vllm_backend
-
-        return build_vllm_backend(config, progress)
-    if config.backend != "transformers":
-        raise EngineConfigError(f"unknown backend {config.backend!r} (known: "
-                                f"{', '.join(BACKENDS)})")
-    # torch and transformers load here only
-    from engined.engine.transformers_backend import build_hf_backend
-
-    return build_hf_backend(config, progress)

@@ -28,7 +28,8 @@ import zmq
 
 from engined.engine import contract
 from engined.engine import protocol as proto
-from engined.engine.backend import Backend, EngineConfigError, build_backend
+from engined.engine.backend import Backend, EngineConfigError
+from engined.engine.build import build_backend
 from engined.engine.requests import RequestTable
 
 _PR_SET_PDEATHSIG = 1
