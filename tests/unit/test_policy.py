@@ -35,6 +35,7 @@ KILLED = ExitStatus(signal=signal.SIGKILL)
     (ExitStatus(signal=signal.SIGKILL), Reason.HANG, Reason.HANG),
     (ExitStatus(signal=signal.SIGKILL), Reason.STALL, Reason.STALL),
     (ExitStatus(code=0), Reason.STARTUP_TIMEOUT, Reason.STARTUP_TIMEOUT),
+    (ExitStatus.UNKNOWN, None, Reason.EXIT),
 ])
 def test_exit_reason(status, killed_for, reason):
     assert exit_reason(status, killed_for) is reason
@@ -46,6 +47,7 @@ def test_exit_reason(status, killed_for, reason):
     (ExitStatus(signal=11), "SIGSEGV", "killed by SIGSEGV"),
     (ExitStatus(code=78), None, "exit 78 (invalid engine config or model)"),
     (ExitStatus(code=3), None, "exit 3"),
+    (ExitStatus.UNKNOWN, None, "exit status unknown (reaped elsewhere)"),
 ])
 def test_exit_description(status, name, text):
     assert status.signal_name == name
@@ -133,6 +135,9 @@ def _decide(now, status, history=None, ready_since=None, restart="always",
     ("never", KILLED, Action.FAIL),
     ("always", ExitStatus(code=78), Action.FAIL),  # invalid config: no restart loop
     ("on-failure", ExitStatus(code=78), Action.FAIL),
+    # reaped elsewhere: nobody knows how it ended, so it is not a clean exit
+    ("on-failure", ExitStatus.UNKNOWN, Action.RESTART),
+    ("never", ExitStatus.UNKNOWN, Action.FAIL),
 ])
 def test_restart_modes(restart, status, action):
     decision, _ = _decide(100.0, status, restart=restart)
