@@ -261,7 +261,7 @@ class _Routes:
         timeout_s = _number(body, "timeout_s", 300, 0.001, 3600)
         started = time.monotonic()
         try:
-            lease, stream = self._open(engine, gen)
+            lease, stream = await self._open(engine, gen, started + timeout_s)
         except UnknownEngine as exc:
             return _error(404, str(exc))
         except (NoReplica, RequestFailed) as exc:
@@ -274,13 +274,13 @@ class _Routes:
             stream.close()
             self.ctx.router.release(lease)
 
-    def _open(self, engine: str | None, gen: proto.GenerateRequest) -> tuple[Lease,
-                                                                               RequestStream]:
+    async def _open(self, engine: str | None, gen: proto.GenerateRequest,
+                    deadline: float) -> tuple[Lease, RequestStream]:
         """A replica of `engine` (a replica, a group; any when None) chosen by the router, and
         the request sent to it."""
         fleet, router = self.ctx.fleet, self.ctx.router
         replicas = fleet.resolve(engine) if engine else list(fleet.replicas.values())
-        lease = router.lease_for(replicas, engine, explicit=engine in fleet.replicas)
+        lease = await router.lease_for(replicas, engine, engine in fleet.replicas, deadline)
         try:
             return lease, self.ctx.channels.open(lease.incarnation.address, gen,
                                                  wake=router.peers(lease))

@@ -128,19 +128,23 @@ class Router:
         self._load[inc] += 1
         return Lease(replica, inc)
 
-    def lease_for(self, replicas: list[Replica], name: str | None, explicit: bool) -> Lease:
+    async def lease_for(self, replicas: list[Replica], name: str | None, explicit: bool,
+                        deadline: float) -> Lease:
         """A replica for the control socket's `POST /v1/generate`, which speaks the engine
         protocol: one of `replicas` (what `name` names, or every replica); `explicit`: `name`
-        is one replica's (it may be a standby, or draining). NoReplica says why there is none."""
+        is one replica's (it may be a standby, or draining). A READY replica that is not
+        routable this instant (not heard from lately: a frozen engine, or a daemon too busy to
+        read its heartbeats yet) is waited for until `deadline`, as a gateway request would;
+        with none READY, NoReplica at once."""
         serving = [r for r in replicas if not r.standby]
         pool = [r for r in serving or replicas if not r.spec.is_command]
         if replicas and not pool:
             raise NoReplica(f"{name!r} is a command engine (a server of its own): send its "
                             f"requests to its port, or through the gateway (openai: true)")
-        lease = self.pick(pool, named=explicit or not serving)
-        if lease is None:
-            raise NoReplica(f"no READY engine{' in ' + repr(name) if name else ''}")
-        return lease
+        where = f" in {name!r}" if name else ""
+        return await self._wait_for(lambda: pool, deadline, explicit or not serving,
+                                    f"no READY engine{where}",
+                                    f"no engine{where} could take the request in time")
 
     def peers(self, lease: Lease) -> list[tuple[str, int]]:
         """The serving peers of a data-parallel rank (they must join its lockstep step: the
@@ -153,15 +157,27 @@ class Router:
                 and (inc := r.serving()) is not None]
 
     async def acquire(self, group: str, deadline: float) -> Lease:
-        """A routable replica of `group`, waiting for one if need be; NoReplica past the
-        deadline."""
+        """A routable replica of `group`, waiting for one if need be (its replacement, when
+        every replica is down); NoReplica past the deadline."""
+        return await self._wait_for(
+            lambda: [r for r in self._replicas() if r.spec.group == group], deadline, False,
+            None, f"no replica of '{group}' could serve the request in time")
+
+    async def _wait_for(self, pool: Callable[[], list[Replica]], deadline: float, named: bool,
+                        none_ready: str | None, too_late: str) -> Lease:
+        """Lease a routable replica of `pool()`, looking again at every state change (and every
+        RECHECK_S: heartbeats refresh without one) until `deadline`. `none_ready`: give up at
+        once, with those words, when no replica of the pool is READY at all."""
         while True:
-            lease = self.pick(r for r in self._replicas() if r.spec.group == group)
+            replicas = pool()
+            lease = self.pick(replicas, named)
             if lease is not None:
                 return lease
+            if none_ready is not None and not any(r.serving() for r in replicas):
+                raise NoReplica(none_ready)
             left = deadline - self.clock()
             if left <= 0:
-                raise NoReplica(f"no replica of '{group}' could serve the request in time")
+                raise NoReplica(too_late)
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), min(left, RECHECK_S))

@@ -207,7 +207,7 @@ BAD_GENERATE = {
     "tiny timeout": b'{"prompt": "x", "timeout_s": 1e-300}',
     "boolean tokens": b'{"prompt": "x", "max_tokens": true}',
     "object prompt": b'{"prompt": {"a": 1}}',
-    "prompt too long": json.dumps({"prompt": "p" * 40000}).encode(),
+    "prompt too long": json.dumps({"prompt": "p" * 70000}).encode(),  # past the body limit
     "engine number": b'{"prompt": "x", "engine": 7}',
     "truncated": b'{"prompt": "x"',
     "trailing garbage": b'{"prompt": "x"} {}',

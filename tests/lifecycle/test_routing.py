@@ -62,10 +62,17 @@ def test_standbys_and_draining_replicas_are_routed_only_when_named(tmp_path):
         assert w.router.routable(spare) is None and w.router.routable(spare, named=True)
         w.router.drain(a0)
         assert w.router.pick([a0, spare]) is None
-        lease = w.router.lease_for([a0], "a-0", explicit=True)  # enginectl generate --engine
+        soon = w.clock.monotonic() + 5.0
+        lease = await w.router.lease_for([a0], "a-0", True, soon)  # generate --engine a-0
         assert lease.replica is a0
-        with pytest.raises(NoReplica, match="no READY engine in 'a'"):
-            w.router.lease_for([a0, spare], "a", explicit=False)
+        with pytest.raises(NoReplica, match="no engine in 'a' could take the request in time"):
+            await w.router.lease_for([a0, spare], "a", False, soon)  # a-0 READY, draining
+        assert w.clock.monotonic() == pytest.approx(soon)  # it waited for a-0, in vain
+        w.fleet.command("stop", "a-0")
+        await w.settle()
+        with pytest.raises(NoReplica, match="no READY engine in 'a'"):  # at once
+            await w.router.lease_for([a0, spare], "a", False, soon + 60.0)
+        assert w.clock.monotonic() == pytest.approx(soon)
     scenario(tmp_path, [{"name": "a", "standby": 1}], body)
 
 
@@ -73,7 +80,8 @@ def test_a_promoted_standby_brings_its_own_load_and_the_next_spare_starts_at_zer
     async def body(w: World) -> None:
         await w.start("a-0", "a-standby-0")
         a0, spare = w.replica("a-0"), w.replica("a-standby-0")
-        on_spare = w.router.lease_for([spare], "a-standby-0", explicit=True)
+        on_spare = await w.router.lease_for([spare], "a-standby-0", True,
+                                            w.clock.monotonic())
         on_a0 = w.router.pick([a0])
         assert on_a0 is not None
         w.stop_pulse("a-0")
