@@ -105,9 +105,9 @@ class ReplicaWorker:
                            replica.log.lines_total)
         replica.restart_at = None
         replica.set_state(EngineState.STARTING)
-        how = "" if replica.spec.is_command else f" by {child.launcher}"
-        replica.log.note(f"spawned pid {child.pid} incarnation {number}{how}")
-        log.info("[spawn] %s pid %d incarnation %d%s", replica.name, child.pid, number, how)
+        replica.log.note(f"spawned pid {child.pid} incarnation {number} by {child.launcher}")
+        log.info("[spawn] %s pid %d incarnation %d by %s", replica.name, child.pid, number,
+                 child.launcher)
         inc.liveness.begin(address, child.port, replica.on_message, intent.wakeup.set)
         for msg in early:  # what it said before its spawn returned, now that it is ours
             replica.on_message(msg)
