@@ -1,7 +1,9 @@
 """Immutable snapshots of the fleet: what status, metrics, health, readiness and counts read.
 
-A replica builds its `EngineView` on request; nothing outside `supervisor.replica` reads a
-replica's fields. "Wanted vs ready" is decided here once (`FleetView`), for every reader.
+A replica builds its `EngineView` on request (and publishes one with every state change,
+supervisor.notices); whatever only reports reads views, never a replica's fields. The one live
+reader is the router (supervisor.routing), which asks a replica for its serving incarnation on
+every request. "Wanted vs ready" is decided here once (`FleetView`), for every reader.
 """
 
 from __future__ import annotations
