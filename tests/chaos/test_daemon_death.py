@@ -60,9 +60,7 @@ def test_sigkill_mid_restart_and_mid_request_then_a_new_daemon_takes_over(engine
         d.expect_unclean_exit = True
         d.signal(signal.SIGKILL)
         assert d.wait_exit(timeout_s=10) == -signal.SIGKILL
-        killed_at = time.monotonic()
         _assert_fleet_gone(d.pid, pids)
-        assert time.monotonic() - killed_at < NO_ORPHANS_WITHIN_S + 1.0
         # The client of the in-flight request learns the daemon is gone (exit 4), not a hang.
         _, err = gen.communicate(timeout=20)
         assert gen.returncode == 4, err
