@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -28,7 +29,26 @@ from driver import (
     wait_engines_gone,
 )
 
+SEED_ENV = "ENGINED_TEST_SEED"
+
 # --- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rng_seed() -> int:
+    """The seed of every random choice a test makes: $ENGINED_TEST_SEED, else a fresh one. It is
+    printed (pytest shows it with a failure's captured output): set it to replay that run."""
+    value = os.environ.get(SEED_ENV)
+    seed = int(value) if value else random.SystemRandom().randrange(1 << 32)
+    print(f"[seed] {SEED_ENV}={seed}{'' if value else ' (fresh; set it to replay this run)'}")
+    return seed
+
+
+@pytest.fixture
+def rng(rng_seed: int) -> random.Random:
+    """A random.Random seeded with `rng_seed` (printed; $ENGINED_TEST_SEED replays it)."""
+    return random.Random(rng_seed)
+
 
 
 @pytest.fixture

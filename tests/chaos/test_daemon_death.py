@@ -60,9 +60,7 @@ def test_sigkill_mid_restart_and_mid_request_then_a_new_daemon_takes_over(engine
         d.expect_unclean_exit = True
         d.signal(signal.SIGKILL)
         assert d.wait_exit(timeout_s=10) == -signal.SIGKILL
-        killed_at = time.monotonic()
         _assert_fleet_gone(d.pid, pids)
-        assert time.monotonic() - killed_at < NO_ORPHANS_WITHIN_S + 1.0
         # The client of the in-flight request learns the daemon is gone (exit 4), not a hang.
         _, err = gen.communicate(timeout=20)
         assert gen.returncode == 4, err
@@ -110,16 +108,16 @@ def test_sigkill_during_a_slow_graceful_shutdown_leaves_no_engine(engined):
     d.wait_all_ready()
 
 
-def test_sigkill_moments_after_start_leaves_no_engine(short_tmp):
+def test_sigkill_moments_after_start_leaves_no_engine(short_tmp, rng: random.Random):
     """Killed while it is still spawning: a child that started its interpreter after the daemon
-    died must notice (PR_SET_PDEATHSIG plus the getppid() check) and exit."""
+    died must notice (PR_SET_PDEATHSIG plus the getppid() check) and exit. The moments are drawn
+    from `rng` (its seed is printed; ENGINED_TEST_SEED replays them)."""
     spec = {"version": 1,
             "supervisor": {"http": "off", "runtime_dir": str(short_tmp / "rt"),
                            "heartbeat_interval": "0.2s", "heartbeat_timeout": "1.5s"},
             "engines": [{"name": "echo", "replicas": 6, "model": "builtin:echo"}]}
     path = short_tmp / "fleet.yaml"
     path.write_text(yaml.safe_dump(spec))
-    rng = random.Random()
     for attempt in range(4):
         with open(short_tmp / f"engined-{attempt}.stderr", "wb") as err:
             proc = subprocess.Popen([PYTHON, "-m", "engined.supervisor.daemon", "-c", str(path)],

@@ -63,7 +63,11 @@ def test_a_cleanup_that_never_ends_is_killed_after_stop_timeout(engined):
     new = d.wait_restarted("slow-0", old["pid"], timeout_s=30)
     last = new["last_exit"]
     assert (last["reason"], last["signal"]) == ("hang", "SIGKILL"), last
-    took_s = last["at"] - began
-    assert 2.0 - 0.1 <= took_s < 2.0 + HEARTBEAT_TIMEOUT_S + 2.0, took_s
-    assert "no exit within stop_timeout of its cleanup" in d.stderr_text()
+    # Killed for not ending the cleanup it had announced (the verdict says so), and not before
+    # stop_timeout (2 s) after the request that raised. Exactly stop_timeout after the
+    # announcement is pinned by tests/lifecycle/test_replica.py
+    # test_a_cleanup_that_never_ends_is_killed_after_stop_timeout.
+    assert f"[hang] slow-0 pid {old['pid']}: no exit within stop_timeout of its cleanup" \
+        in d.stderr_text()
+    assert last["at"] - began >= 2.0 - 0.1, (last, began)
     assert new["restarts_by_reason"] == {"hang": 1}, new

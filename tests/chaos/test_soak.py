@@ -37,7 +37,6 @@ from chaos.procs import fleet_processes
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(1800)]
 
 SOAK_S = float(os.environ.get("ENGINED_SOAK_S", "120"))
-SEED = int(os.environ.get("ENGINED_SOAK_SEED", str(random.randrange(1 << 30))))
 
 HEARTBEAT_TIMEOUT_S = 2.5
 STALL_TIMEOUT_S = 5.0  # > heartbeat_timeout: a SIGSTOPped busy engine is a hang, never a stall
@@ -92,9 +91,9 @@ class Samples:
 
 
 class Soak:
-    def __init__(self, d: Daemon, rng: random.Random) -> None:
+    def __init__(self, d: Daemon, seed: int) -> None:
         self.d = d
-        self.rng = rng
+        self.seed = seed
         self.daemon = psutil.Process(d.pid)
         self.lock = threading.Lock()
         self.injections: list[Injection] = []
@@ -161,7 +160,7 @@ class Soak:
                 self.samples.zombies_kept.append(pid)
 
     def _traffic(self, worker: int) -> None:
-        rng = random.Random(SEED + worker + 1)
+        rng = random.Random(self.seed + worker + 1)
         n = 0
         while not self.stop_traffic.is_set():
             n += 1
@@ -253,7 +252,7 @@ def _thirds(values: list[int]) -> tuple[float, float]:
 def _summary(soak: Soak, engines: dict[str, dict[str, Any]], fd_baseline: int, fd_end: int,
              elapsed_s: float) -> str:
     rows = [f"chaos soak: {len(engines)} engines, {elapsed_s:.0f}s of injection "
-            f"(ENGINED_SOAK_S={SOAK_S:g}, seed {SEED})", "",
+            f"(ENGINED_SOAK_S={SOAK_S:g}, ENGINED_TEST_SEED={soak.seed})", "",
             "| fault | reason | injected (echo/tiny) | detected | READY again | "
             "detect median s | recover median s |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -286,15 +285,15 @@ def _summary(soak: Soak, engines: dict[str, dict[str, Any]], fd_baseline: int, f
     return "\n".join(rows)
 
 
-def test_chaos_soak(engined, tiny_cache: Path, capsys):
-    rng = random.Random(SEED)
+def test_chaos_soak(engined, tiny_cache: Path, capsys, rng_seed: int):
+    rng = random.Random(rng_seed)  # the schedule's; traffic worker k's: rng_seed + k + 1
     tiny_env = {"ENGINED_CACHE_DIR": str(tiny_cache), "ENGINED_FAULT_INJECTION": "1"}
     d = engined([{"name": "echo", "replicas": 8, "model": "builtin:echo"},
                  {"name": "tiny", "replicas": 2, "model": "builtin:tiny-llama", "threads": 1,
                   "env": tiny_env}],
                 supervisor=SUPERVISOR, defaults=DEFAULTS, ready=False)
     d.wait_all_ready(READY_TIMEOUT_S)
-    soak = Soak(d, rng)
+    soak = Soak(d, rng_seed)
     d.wait_for(lambda: all(e["heartbeat_age_s"] is not None for e in soak.engines().values()),
                20, "first heartbeats")
     fd_baseline = soak.daemon.num_fds()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -178,14 +179,14 @@ def _heartbeat(engine: str, incarnation: int) -> bytes:
                                         last_iteration_at=0.0, waiting=0, running=0))
 
 
-def test_garbage_zmq_frames_are_counted_and_dropped(engined):
+def test_garbage_zmq_frames_are_counted_and_dropped(engined, rng: random.Random):
     d = engined([ECHO2])
     before = d.engines()
     assert d.status()["supervisor"]["ipc_dropped"] == {}
     inc = before["echo-0"]["incarnation"]
 
     control_frames: list[list[bytes]] = [
-        [os.urandom(64)], [os.urandom(7)], [b"\xc1" * 16], [b""],
+        [rng.randbytes(64)], [rng.randbytes(7)], [b"\xc1" * 16], [b""],
         [msgspec.msgpack.encode([1, 2, 3])],  # valid msgpack, wrong type
         [msgspec.msgpack.encode({"type": "nope", "engine": "echo-0", "incarnation": inc})],
         [proto.encode(proto.GenerateRequest("x", "hi"))],  # a request-channel type
@@ -198,7 +199,7 @@ def test_garbage_zmq_frames_are_counted_and_dropped(engined):
     ]
     ready = proto.encode(proto.Ready("echo-1", inc + 1, 0.0, "cpu", "builtin:echo", "none"))
     request_frames: list[list[bytes]] = [
-        [os.urandom(64)],
+        [rng.randbytes(64)],
         [b"two", b"parts"],  # the ROUTER sees three frames
         [proto.encode(proto.GenerateRequest("y", "hi"))],  # unexpected direction
         [proto.encode(proto.GenerateResult("no-such-request", "echo-0", inc, text="x"))],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import yaml
 from driver import REPO_ROOT, _clean_env, process_gone, read_until, stream_lines, wait_engines_gone
@@ -44,7 +43,7 @@ def test_sigterm_stops_every_engine_with_cleanup(engined):
 
 def test_second_sigterm_kills_a_slow_stop_at_once(engined):
     d = engined([{"name": "echo", "replicas": 1, "model": "builtin:echo"}],
-                defaults={"stop_timeout": "20s", "stall_timeout": "60s"})
+                defaults={"stop_timeout": "60s", "stall_timeout": "120s"})
     pid = d.engine("echo-0")["pid"]
     gen = d.ctl_popen("generate", "--engine", "echo-0", "!stall", stdout=subprocess.PIPE,
                       stderr=subprocess.PIPE)
@@ -55,12 +54,20 @@ def test_second_sigterm_kills_a_slow_stop_at_once(engined):
         d.wait_for(lambda: "[shutdown] stopping" in d.stderr_text(), 20, "shutdown to begin")
         # The stalled engine ignores SIGTERM's flag: a graceful stop would take stop_timeout.
         d.holds(lambda: d.alive() and not process_gone(pid), 1.0, "the slow stop")
-        second_at = time.monotonic()
         d.signal(signal.SIGTERM)
-        assert d.wait_exit(timeout_s=20) == 0, d.stderr_text()
-        assert time.monotonic() - second_at < 5.0
-        assert "[shutdown] second signal" in d.stderr_text()
+        assert d.wait_exit(timeout_s=30) == 0, d.stderr_text()
         assert process_gone(pid)
+        # The second signal's kill ended it, not stop_timeout's: in that order, and no
+        # escalation (that it kills at that very moment is pinned by
+        # tests/lifecycle/test_timing_pins.py
+        # test_a_second_shutdown_signal_kills_what_is_left_at_that_moment).
+        log = [msg for _, _, msg in d.daemon_log()]
+        second = next((i for i, m in enumerate(log) if m.startswith("[shutdown] second signal")),
+                      None)
+        assert second is not None, log[-20:]
+        assert any(m.startswith(f"[stop] echo-0 pid {pid} stopped (killed by SIGKILL")
+                   for m in log[second:]), log[-20:]
+        assert not any("did not exit in time" in m for m in log), log[-20:]
         gen.communicate(timeout=20)
         assert gen.returncode != 0  # the request failed rather than hung
     finally:

@@ -54,13 +54,13 @@ def test_a_frozen_daemon_blames_no_engine_and_still_catches_a_frozen_one(engined
     assert all(e["restarts"] == 0 for e in d.engines().values())
     assert _metric(port, "engined_event_loop_stalled_seconds_total") >= HEARTBEAT_TIMEOUT_S
     assert _metric(port, "engined_event_loop_lag_seconds_count") > 0
-    # an engine that really froze is caught one heartbeat timeout later, as ever
+    # an engine that really froze is still caught, as a hang (one heartbeat timeout after its
+    # last heartbeat, also after a pause: pinned by tests/lifecycle/test_replica.py
+    # test_a_pause_of_the_daemon_itself_is_never_blamed_on_engines)
     victim = before["echo-2"][0]
-    stopped_at = time.monotonic()
     os.kill(victim, signal.SIGSTOP)
     new = d.wait_restarted("echo-2", victim, timeout_s=30)
     assert new["last_exit"]["reason"] == "hang", new["last_exit"]
-    assert time.monotonic() - stopped_at < 20 * HEARTBEAT_TIMEOUT_S  # a bound, not a budget
     others = {n: (e["pid"], e["incarnation"]) for n, e in d.engines().items() if n != "echo-2"}
     assert others == {n: v for n, v in before.items() if n != "echo-2"}
 

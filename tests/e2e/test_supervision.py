@@ -5,16 +5,20 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
+from cpuburn import burning
 from driver import process_gone
 
+from engined.supervisor.loop import TICK_S
+
 ECHO = {"name": "echo", "replicas": 1, "model": "builtin:echo"}
-HEARTBEAT_INTERVAL_S = 0.2  # the fixture's defaults
-HEARTBEAT_TIMEOUT_S = 1.5
+HEARTBEAT_TIMEOUT_S = 1.5  # the fixture's default
 
 ENGINE_FIELDS = {"name", "group", "state", "pid", "incarnation", "restarts", "since", "startup_s",
                  "heartbeat_age_s", "last_exit", "gpus", "rss_bytes", "gpu_memory"}
@@ -136,11 +140,16 @@ def test_sigstop_is_declared_hung_killed_and_restarted(engined):
     assert last["reason"] == "hang", last
     assert last["signal"] == "SIGKILL", last
     assert process_gone(old["pid"])
-    detected_s = last["at"] - stopped_at
-    assert detected_s < HEARTBEAT_TIMEOUT_S + HEARTBEAT_INTERVAL_S + 1.0, detected_s
-    # Not before heartbeat_timeout after the last heartbeat the daemon had seen.
+    # Not before heartbeat_timeout after the last heartbeat the daemon had seen (how soon after
+    # it is pinned exactly by tests/lifecycle/test_replica.py
+    # test_hang_is_declared_exactly_heartbeat_timeout_after_the_last_heartbeat).
+    assert last["at"] >= stopped_at, (last, stopped_at)
     last_heartbeat_at = asked_at - old["heartbeat_age_s"]
     assert last["at"] - last_heartbeat_at >= HEARTBEAT_TIMEOUT_S - 0.01, (last, old)
+    # In order: the verdict on that pid, its kill, then its replacement.
+    assert _order(d, [f"[hang] echo-0 pid {old['pid']}: no heartbeat",
+                      f"[exit] echo-0 pid {old['pid']} killed by SIGKILL (reason hang)",
+                      f"[spawn] echo-0 pid {new['pid']} "])
     assert new["restarts"] == 1
 
 
@@ -164,6 +173,44 @@ def test_stall_is_detected_and_the_request_fails(engined):
     assert new["restarts"] == 1
     # The heartbeat thread was alive all along: this was a stall, not a hang.
     assert d.ctl("generate", "--engine", "echo-0", "after").stdout.strip() == "after"
+
+
+def _order(d, fragments: list[str]) -> bool:
+    """Each fragment starts a line of the daemon's log, after the line the previous one
+    started (AssertionError naming the first that is missing or out of order)."""
+    messages = [msg for _, _, msg in d.daemon_log()]
+    at = -1
+    for fragment in fragments:
+        at = next((i for i in range(at + 1, len(messages))
+                   if messages[i].startswith(fragment)), -1)
+        assert at >= 0, (f"not logged after the previous step: {fragment!r}", messages[-30:])
+    return True
+
+
+IDLE_WINDOW_S = 2.0
+
+
+def _sched(pid: int) -> dict[str, tuple[int, int]]:
+    """Per thread: (voluntary context switches: each time it blocked, i.e. went to sleep to
+    be woken later; nanoseconds on a CPU), from /proc/PID/task/*/{status,schedstat}."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            on_cpu_ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+        woke = int(re.search(r"^voluntary_ctxt_switches:\s*(\d+)", status, re.M).group(1))
+        out[tid] = (woke, on_cpu_ns)
+    return out
+
+
+def _delta(before: dict[str, tuple[int, int]],
+           after: dict[str, tuple[int, int]]) -> tuple[int, int]:
+    """(wakeups, CPU nanoseconds) of every thread between two `_sched` readings."""
+    woke = sum(a[0] - before.get(tid, (0, 0))[0] for tid, a in after.items())
+    cpu_ns = sum(a[1] - before.get(tid, (0, 0))[1] for tid, a in after.items())
+    return woke, cpu_ns
 
 
 def _spawn_and_exit_times(d, name: str) -> tuple[list[float], list[float]]:
@@ -195,27 +242,38 @@ def test_crash_loop_backs_off_then_fails_and_start_retries(engined):
 
     spawns, exits = _spawn_and_exit_times(d, "bad-0")
     assert len(spawns) == 5 and len(exits) == 5, d.stderr_text()
-    gaps = [b - a for a, b in zip(spawns, spawns[1:])]
-    # the backoff alone (exit -> next spawn): 0, 0.2, 0.4, 0.8 s
+    # One incarnation at a time: each spawn after the previous exit (the log's line order).
+    kinds = [msg.split()[0] for _, _, msg in d.daemon_log()
+             if msg.startswith(("[spawn] bad-0 ", "[exit] bad-0 "))]
+    assert kinds == ["[spawn]", "[exit]"] * 5, kinds
+    # Never respawned before its backoff (exit -> next spawn): 0, 0.2, 0.4, 0.8 s. How soon
+    # after is the lifecycle tier's to pin, exactly (tests/lifecycle/test_replica.py
+    # test_crash_loop_restarts_at_once_then_backs_off_then_fails); here a loaded machine may
+    # add any delay. Log stamps are cut to the millisecond: 0.01 s of slack.
     delays = [spawn - exit_ for exit_, spawn in zip(exits, spawns[1:])]
     for k, (delay, expected) in enumerate(zip(delays, [0.0, 0.2, 0.4, 0.8])):
         assert delay >= expected - 0.01, (k, delays)
-    assert all(b >= a for a, b in zip(delays, delays[1:])), delays
-    assert all(b >= a - 0.15 for a, b in zip(gaps, gaps[1:])), gaps  # startup time varies a little
-    assert gaps[2] >= 0.35, gaps
 
     table = d.ctl("status")
     assert table.returncode == 3
     assert _table(table.stdout)["bad-0"][1] == "FAILED"
     d.holds(lambda: d.engine("bad-0")["state"] == "FAILED", 0.5, "FAILED")
 
-    # FAILED means idle: no timers spinning, no respawns.
-    proc = psutil.Process(d.pid)
-    before = proc.cpu_times()
-    time.sleep(2.0)  # measuring an interval, not waiting for a condition
-    after = proc.cpu_times()
-    used = (after.user + after.system) - (before.user + before.system)
-    assert used < 0.2, used
+    # FAILED means idle: no timers spinning, no respawns. How little CPU an idle daemon uses is
+    # bench/core.py's figure ("Idle overhead"); here, two measures that a busy machine cannot
+    # inflate, over one window: how often its threads blocked to be woken (a polling timer
+    # wakes it far more often than its loop monitor's ticker does), and its CPU time against a
+    # spinner's of the same niceness in the same window (what a loop that polls without
+    # sleeping gets of this machine now: measured ~0.8-1.2x the spinner's; an idle daemon
+    # ~5 ms, the spinner 70-150 ms of 2 s even at a load of 12 on 2 cores).
+    with burning(1, max_s=60) as (spinner,):
+        before = _sched(d.pid), _sched(spinner)
+        time.sleep(IDLE_WINDOW_S)  # measuring an interval, not waiting for a condition
+        after = _sched(d.pid), _sched(spinner)
+    woke, cpu_ns = _delta(before[0], after[0])
+    _, spinner_ns = _delta(before[1], after[1])
+    assert woke <= 2 * IDLE_WINDOW_S / TICK_S + 5, (woke, IDLE_WINDOW_S, TICK_S)
+    assert cpu_ns < spinner_ns / 2, (cpu_ns, spinner_ns)
     assert d.engine("bad-0")["incarnation"] == 5
 
     started = d.ctl("start", "bad-0", "--timeout", "60")
@@ -285,27 +343,35 @@ def test_startup_timeout_kills_and_a_stop_while_loading_is_prompt(engined):
     slow = {"name": "slow", "replicas": 1, "model": "builtin:echo",
             "env": {"ENGINED_ECHO_LOAD_S": "60"}, "startup_timeout": "1s",
             "stop_timeout": "20s", "backoff": {"initial": "0.1s", "jitter": 0}}
-    d = engined([slow], ready=False)
+    # the default startup_timeout (10m): no verdict can overtake the stop below
+    loading = {"name": "loading", "replicas": 1, "model": "builtin:echo",
+               "env": {"ENGINED_ECHO_LOAD_S": "60"}, "stop_timeout": "20s"}
+    d = engined([slow, loading], ready=False)
     first = d.wait_state("slow-0", "STARTING", where=lambda e: e["pid"] is not None)
     again = d.wait_state("slow-0", "STARTING",
                          where=lambda e: e["incarnation"] > first["incarnation"] and e["pid"])
     last = again["last_exit"]
     assert last["reason"] == "startup_timeout" and last["signal"] == "SIGKILL", last
     assert process_gone(first["pid"])
-    assert again["restarts_by_reason"].get("startup_timeout") == 1, again
+    # every restart so far was a startup timeout (on a busy box more than one may be past)
+    assert again["restarts_by_reason"] == {"startup_timeout": again["incarnation"] - 1}, again
 
     # A loading engine honours SIGTERM (it stops loading and cleans up): no stop_timeout wait.
-    again = d.wait_state("slow-0", "STARTING", where=lambda e: e["incarnation"] == again[
-        "incarnation"] and e["phase"] == "weights")  # loading, its SIGTERM handler in place
-    pid = again["pid"]
-    began = time.monotonic()
-    out = d.ctl("stop", "slow-0")
+    loading_now = d.wait_state("loading-0", "STARTING", where=lambda e: e["pid"] is not None
+                               and e["phase"] == "weights")  # its SIGTERM handler in place
+    pid = loading_now["pid"]
+    out = d.ctl("stop", "loading-0")
     assert out.returncode == 0, out
-    assert time.monotonic() - began < 10.0
-    stopped = d.engine("slow-0")
-    assert (stopped["state"], stopped["pid"]) == ("STOPPED", None)
+    stopped = d.engine("loading-0")
+    assert (stopped["state"], stopped["pid"], stopped["incarnation"]) == ("STOPPED", None, 1)
     assert process_gone(pid)
-    assert f"[cleanup] slow-0 incarnation {again['incarnation']}" in d.log_text("slow-0")
+    assert "[cleanup] loading-0 incarnation 1" in d.log_text("loading-0")
+    # Its own exit after the SIGTERM ended the stop, not stop_timeout's SIGKILL (how long a stop
+    # may take is pinned by tests/lifecycle/test_timing_pins.py
+    # test_a_stop_while_loading_ends_at_the_childs_own_exit).
+    assert _order(d, [f"[stop] loading-0 pid {pid}: SIGTERM",
+                      f"[stop] loading-0 pid {pid} stopped (exit 143 (terminated by SIGTERM"])
+    assert f"[stop] loading-0 pid {pid} did not exit in time" not in d.stderr_text()
 
 
 def test_stop_during_backoff_cancels_the_pending_restart(engined):

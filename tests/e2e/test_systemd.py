@@ -91,13 +91,11 @@ def test_notify_over_a_path_socket(notify_daemon, short_tmp):
     _wait(lambda: any("STATUS=2/2 engines ready" in m for _, m in notify.messages), 10,
           "STATUS=2/2 engines ready")
 
-    # Watchdog at half of WATCHDOG_USEC (0.4 s -> every 0.2 s).
+    # The watchdog keeps beating over the real socket (at half of WATCHDOG_USEC, and none while
+    # the loop is wedged: pinned by tests/lifecycle/test_timing_pins.py
+    # test_the_watchdog_beats_every_half_watchdog_usec_and_never_while_unhealthy).
     start = len(notify.having("WATCHDOG=1"))
-    time.sleep(2.0)
-    beats = notify.having("WATCHDOG=1")[start:]
-    assert 6 <= len(beats) <= 14, len(beats)
-    gaps = [b[0] - a[0] for a, b in zip(beats, beats[1:])]
-    assert max(gaps) < 0.4  # never as late as WATCHDOG_USEC itself
+    _wait(lambda: len(notify.having("WATCHDOG=1")) >= start + 5, 20, "five more WATCHDOG=1")
 
     # STATUS follows state: a stopped engine is no longer counted as expected.
     assert daemon.ctl("stop", "echo-1").returncode == 0

@@ -17,6 +17,7 @@ file generates them.
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import threading
@@ -300,7 +301,8 @@ def test_oversized_frames_cost_the_sender_its_connection_not_the_daemon(engined)
     assert _state(d) == before
 
 
-def test_flood_is_counted_logged_once_per_interval_and_heartbeats_keep_flowing(engined):
+def test_flood_is_counted_logged_once_per_interval_and_heartbeats_keep_flowing(engined,
+                                                                              rng: random.Random):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -320,7 +322,7 @@ def test_flood_is_counted_logged_once_per_interval_and_heartbeats_keep_flowing(e
     began = time.monotonic()
     sender = Sender(d)
     try:
-        junk = [os.urandom(16) for _ in range(64)]
+        junk = [rng.randbytes(16) for _ in range(64)]
         for i in range(FLOOD_FRAMES):
             sender.push.send(junk[i % len(junk)])
     finally:
