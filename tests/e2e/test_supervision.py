@@ -15,7 +15,7 @@ import psutil
 from cpuburn import burning
 from driver import process_gone
 
-from engined.supervisor.loop import TICK_S
+from engined.supervisor.loopmonitor import TICK_S
 
 ECHO = {"name": "echo", "replicas": 1, "model": "builtin:echo"}
 HEARTBEAT_TIMEOUT_S = 1.5  # the fixture's default

@@ -148,6 +148,7 @@ class World:
         fleet = Fleet(spec, lambda engine, owner: Replica(engine, deps, owner), clock, router,
                       addresses, rng=random.Random(0))
         world = cls(fleet, router, launcher, clock, notices)
+        notices.state.subscribe(router.on_state)  # as the daemon wires it (supervisor.services)
         notices.lost.subscribe(lambda lost: world.lost.append((*lost.address, lost.why)))
         notices.state.subscribe(lambda change: world.transitions.append(
             Transition(clock.monotonic(), change.view.name, change.old, change.view.state)))

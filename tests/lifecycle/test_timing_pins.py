@@ -27,12 +27,11 @@ from typing import Any
 
 import pytest
 
-from engined.supervisor.gateway.openai import ApiError
-from engined.supervisor.gateway.router import Router
+from engined.supervisor.routing import NoReplica
 from engined.supervisor.state import EngineState as S
 from engined.supervisor.systemd import Notifier
 from lifecycle.autojump import run
-from lifecycle.fakes import HEARTBEAT_INTERVAL_S, Behaviour, World
+from lifecycle.fakes import Behaviour, World
 
 
 def scenario(tmp_path: Path, engines: list[dict[str, Any]],
@@ -139,12 +138,9 @@ def test_no_routable_replica_is_503_exactly_at_the_deadline(tmp_path):
         await w.start("a-0")
         w.fleet.command("stop", "a")
         await w.settle()
-        router = Router(w.fleet, HEARTBEAT_INTERVAL_S, w.clock.monotonic)
         began = w.clock.monotonic()
-        with pytest.raises(ApiError) as err:
-            await router.acquire("a", began + 7.0)
-        assert (err.value.status, err.value.code) == (503, "no_replica")
-        assert err.value.headers["Retry-After"]
+        with pytest.raises(NoReplica, match="could serve the request in time"):
+            await w.router.acquire("a", began + 7.0)  # the gateway answers 503 (Retry-After)
         assert w.clock.monotonic() - began == pytest.approx(7.0, abs=1e-6)
 
     scenario(tmp_path, [{"name": "a"}], body)
@@ -155,18 +151,16 @@ def test_a_replica_ready_before_the_deadline_is_taken_then(tmp_path):
         await w.start("a-0")
         w.fleet.command("stop", "a")
         await w.settle()
-        router = Router(w.fleet, HEARTBEAT_INTERVAL_S, w.clock.monotonic)
         began = w.clock.monotonic()
-        waiting = asyncio.ensure_future(router.acquire("a", began + 7.0))
+        waiting = asyncio.ensure_future(w.router.acquire("a", began + 7.0))
         await w.settle(2.0)
         assert not waiting.done()
         w.fleet.command("start", "a")
         await w.settle()
-        w.ready("a-0")
+        w.ready("a-0")  # READY is a state change: the waiting request looks again at once
         w.pulse("a-0")
-        router.changed()  # the daemon calls it on every state change
-        replica = await waiting
-        assert replica.name == "a-0" and router.in_flight("a-0") == 1
+        lease = await waiting
+        assert lease.replica.name == "a-0" and w.router.load(lease.replica) == 1
         assert w.clock.monotonic() - began == pytest.approx(2.0, abs=1e-6)
 
     scenario(tmp_path, [{"name": "a"}], body)
