@@ -98,6 +98,7 @@ class ProbeLiveness:
         self.spec, self.client, self.clock, self.monitor = spec, client, clock, monitor
         self.in_flight = in_flight  # requests routed to this incarnation now
         self.verdict: str | None = None
+        self._prober: Prober | None = None
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -126,11 +127,14 @@ class ProbeLiveness:
                 self.verdict = why
                 wake()
 
-        prober = Prober(self.spec, number, port, self.client, self.clock, self.monitor,
-                        deliver, condemn, self.in_flight)
-        self._task = asyncio.get_running_loop().create_task(prober.run(), name=f"probe:{name}")
+        self._prober = Prober(self.spec, number, port, self.client, self.clock, self.monitor,
+                              deliver, condemn, self.in_flight)
+        self._task = asyncio.get_running_loop().create_task(self._prober.run(),
+                                                            name=f"probe:{name}")
 
     def end(self) -> None:
+        if self._prober is not None:
+            self._prober.stop()  # in case the cancel below is swallowed (see Prober.run)
         if self._task is not None:
             self._task.cancel()
             self._task = None

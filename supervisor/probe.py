@@ -123,26 +123,35 @@ class Prober:
         self.deliver, self.condemn, self.in_flight = deliver, condemn, in_flight
         self.failures = 0
         self.ready = False
+        self.stopped = False
         self.last_error = ""
         self.progress = _Progress()
 
     async def run(self) -> None:
+        """Until `stop` (its incarnation is gone). The flag, not only the task's cancellation:
+        Python 3.11's asyncio.wait_for can swallow a cancel that arrives as the wait it guards
+        completes, and a prober of a dead incarnation must not probe its old port forever."""
         probe = self.probe
         spawned = self.clock.monotonic()
-        while True:
+        while not self.stopped:
             began = self.clock.monotonic()
             try:
                 await self.client.get(self.port, probe.path, probe.timeout_s)
             except ProbeFailed as exc:
-                self._failed(str(exc), began)
+                if not self.stopped:
+                    self._failed(str(exc), began)
             else:
-                if self.spec.progress is not None and self.ready:
+                if self.spec.progress is not None and self.ready and not self.stopped:
                     try:
                         await self._read_progress()
                     except ProbeFailed as exc:  # progress unknown this round: not a hang
                         log.debug("[probe] %s: progress: %s", self.spec.name, exc)
-                self._passed(spawned)
+                if not self.stopped:
+                    self._passed(spawned)
             await self._sleep_until(began + probe.interval_s)
+
+    def stop(self) -> None:
+        self.stopped = True
 
     def _passed(self, spawned: float) -> None:
         self.failures = 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from engined.supervisor.incarnation import Incarnation
@@ -116,10 +116,13 @@ class Router:
         inc = replica.serving()
         return inc if inc is not None and inc.fresh(self.clock()) else None
 
-    def pick(self, replicas: Iterable[Replica], named: bool = False) -> Lease | None:
-        """The least loaded routable replica of `replicas` (round-robin among equals), leased."""
+    def pick(self, replicas: Iterable[Replica], named: bool = False,
+             avoid: Collection[Incarnation] = ()) -> Lease | None:
+        """The least loaded routable replica of `replicas` (round-robin among equals), leased.
+        `avoid`: incarnations this request was lost on (one that cannot be reached stays READY
+        until its exit is handled, and would be the least loaded)."""
         candidates = [(r, inc) for r in replicas
-                      if (inc := self.routable(r, named)) is not None]
+                      if (inc := self.routable(r, named)) is not None and inc not in avoid]
         if not candidates:
             return None
         least = min(self._load[inc] for _, inc in candidates)
@@ -156,21 +159,23 @@ class Router:
                 if r.spec.group == spec.group and r is not lease.replica
                 and (inc := r.serving()) is not None]
 
-    async def acquire(self, group: str, deadline: float) -> Lease:
-        """A routable replica of `group`, waiting for one if need be (its replacement, when
-        every replica is down); NoReplica past the deadline."""
+    async def acquire(self, group: str, deadline: float,
+                      avoid: Collection[Incarnation] = ()) -> Lease:
+        """A routable replica of `group`, not on an incarnation of `avoid`, waiting for one if
+        need be (its replacement, when every replica is down); NoReplica past the deadline."""
         return await self._wait_for(
             lambda: [r for r in self._replicas() if r.spec.group == group], deadline, False,
-            None, f"no replica of '{group}' could serve the request in time")
+            None, f"no replica of '{group}' could serve the request in time", avoid)
 
     async def _wait_for(self, pool: Callable[[], list[Replica]], deadline: float, named: bool,
-                        none_ready: str | None, too_late: str) -> Lease:
+                        none_ready: str | None, too_late: str,
+                        avoid: Collection[Incarnation] = ()) -> Lease:
         """Lease a routable replica of `pool()`, looking again at every state change (and every
         RECHECK_S: heartbeats refresh without one) until `deadline`. `none_ready`: give up at
         once, with those words, when no replica of the pool is READY at all."""
         while True:
             replicas = pool()
-            lease = self.pick(replicas, named)
+            lease = self.pick(replicas, named, avoid)
             if lease is not None:
                 return lease
             if none_ready is not None and not any(r.serving() for r in replicas):

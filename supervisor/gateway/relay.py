@@ -21,6 +21,7 @@ from typing import Any
 from engined.engine import protocol as proto
 from engined.supervisor.gateway.openai import ApiError, Job, Usage
 from engined.supervisor.gateway.upstream import Upstream, UpstreamStream
+from engined.supervisor.incarnation import Incarnation
 from engined.supervisor.ipc import (
     EngineChannels,
     EngineLost,
@@ -76,9 +77,10 @@ class Relay:
         rejects, 503 past the deadline or the migration limit)."""
         delivered: list[int] = []
         memo: dict[str, Any] = {}  # what an upstream server told about the original prompt
+        lost_on: set[Incarnation] = set()  # never sent back to an incarnation it was lost on
         moves = 0
         while True:
-            lease = await self._acquire(group, deadline)
+            lease = await self._acquire(group, deadline, lost_on)
             replica = lease.replica
             log.debug("[gateway] %s -> %s incarnation %d", request_id, replica.name,
                       replica.incarnation)
@@ -116,6 +118,7 @@ class Relay:
                         stream.close()
             finally:
                 self.router.release(lease)
+            lost_on.add(lease.incarnation)
             moves += 1
             if moves > limit:
                 raise ApiError(503, f"the request lost its engine {moves} times "
@@ -126,9 +129,10 @@ class Relay:
                         request_id, lost, moves, limit, len(delivered))
             self.on_move(job.model)
 
-    async def _acquire(self, group: str, deadline: float) -> Lease:
+    async def _acquire(self, group: str, deadline: float,
+                       avoid: set[Incarnation]) -> Lease:
         try:
-            return await self.router.acquire(group, deadline)
+            return await self.router.acquire(group, deadline, avoid)
         except NoReplica as exc:
             raise ApiError(503, str(exc), kind="server_error", code="no_replica",
                            headers={"Retry-After": "5"}) from None

@@ -132,3 +132,17 @@ def test_metric_sum_reads_every_label_set_and_the_total_suffix():
     assert metric_sum(text, "vllm:num_requests_running") == 2.0
     assert metric_sum(text, "vllm:num_requests_waiting") is None
     assert metric_sum(text, "other") is None  # not finite: not a reading
+
+
+def test_a_stopped_prober_ends_even_if_its_cancel_is_lost():
+    """Its incarnation is gone: the prober stops at its next round whether or not the task's
+    cancellation got through (Python 3.11's wait_for can swallow one), and says nothing more."""
+    async def main():
+        watch, _, _, got, verdicts = _watch(ScriptedClient([True] + ["refused"] * 20))
+        task = asyncio.ensure_future(watch.run())
+        await asyncio.sleep(1.5)  # READY at the first pass; the next probe is failing
+        seen = len(got)
+        watch.stop()  # no cancel at all: the worst case of a lost one
+        await asyncio.sleep(10)
+        assert task.done() and verdicts == [] and len(got) == seen
+    run(main)

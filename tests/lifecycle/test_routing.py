@@ -5,12 +5,18 @@ command engine's gateway requests included."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import pytest
 
+from engined.engine import protocol as proto
+from engined.supervisor.gateway.openai import parse_completion
+from engined.supervisor.gateway.relay import Done, Relay
+from engined.supervisor.gateway.upstream import Upstream
+from engined.supervisor.ipc import RequestFailed
 from engined.supervisor.routing import NoReplica
 from engined.supervisor.state import EngineState as S
 from lifecycle.autojump import run
@@ -135,3 +141,81 @@ def test_a_request_that_never_ends_holds_a_rollout_at_most_stop_timeout(tmp_path
         await w.settle(0.2)
         assert first.signalled_at[signal.SIGTERM] - began == pytest.approx(30.0, abs=1e-6)
     scenario(tmp_path, [COMMAND_GROUP], body)
+
+
+class _Unreachable(RequestFailed):
+    pass
+
+
+class _Channels:
+    """The engine channels as the relay uses them: sending to `dead` fails at once (its
+    incarnation is gone, its exit not handled yet); any other answers the whole prompt."""
+
+    def __init__(self, dead: str) -> None:
+        self.dead, self.sent = dead, []
+
+    def open(self, address, request, wake=()):
+        self.sent.append(address[0])
+        if address[0] == self.dead:
+            raise _Unreachable(f"cannot send to {address[0]}:{address[1]}: Host unreachable")
+        return _Answer(address, request)
+
+
+class _Answer:
+    def __init__(self, address, request) -> None:
+        self.address, self.request, self.done = address, request, False
+
+    async def next(self, timeout_s=None):
+        if self.done:
+            raise StopAsyncIteration
+        self.done = True
+        return proto.GenerateResult(self.request.id, self.address[0], self.address[1],
+                                    self.request.prompt, finish_reason="stop",
+                                    prompt_tokens=2, completion_tokens=2)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_request_is_never_sent_back_to_an_incarnation_it_was_lost_on(tmp_path):
+    """a-0 cannot be reached (its exit not handled yet), stays READY and is the least loaded:
+    the request goes to a-1 after one move, not to a-0 again until migration_limit runs out."""
+    async def body(w: World) -> None:
+        await w.start("a-0", "a-1")
+        busy = w.router.pick([w.replica("a-1")])  # a-1 has a request: a-0 is picked first
+        assert busy is not None
+        channels = _Channels(dead="a-0")
+        relay = Relay(w.router, channels, Upstream(), w.clock.monotonic)  # type: ignore[arg-type]
+        job = parse_completion({"model": "a", "prompt": "hi", "max_tokens": 2})
+        out = [item async for item in relay.run(job, "a", "rid", w.clock.monotonic() + 60, 3)]
+        assert channels.sent == ["a-0", "a-1"]
+        assert isinstance(out[-1], Done) and (out[-1].engine, out[-1].moves) == ("a-1", 1)
+    scenario(tmp_path, [{"name": "a", "replicas": 2}], body)
+
+
+def test_a_lone_unreachable_replica_is_waited_out_not_retried(tmp_path):
+    """With nothing else to go to, the request waits for a-0's replacement (its exit handled,
+    a new incarnation READY) instead of spending its moves on the dead one in a millisecond."""
+    async def body(w: World) -> None:
+        await w.start("a-0")
+        channels = _Channels(dead="a-0")
+        relay = Relay(w.router, channels, Upstream(), w.clock.monotonic)  # type: ignore[arg-type]
+        job = parse_completion({"model": "a", "prompt": "hi", "max_tokens": 2})
+        run_ = asyncio.ensure_future(_collect(relay.run(job, "a", "rid",
+                                                        w.clock.monotonic() + 60, 3)))
+        await w.settle(1.0)
+        assert channels.sent == ["a-0"] and not run_.done()  # one try, then it waits
+        channels.dead = ""  # the replacement answers
+        w.stop_pulse("a-0")
+        w.child("a-0").exit(None, signal.SIGKILL)
+        await w.until(lambda: w.spawns("a-0") == 2)
+        w.ready("a-0")
+        w.pulse("a-0")
+        out = await run_
+        assert channels.sent == ["a-0", "a-0"] and out[-1].moves == 1
+        assert w.replica("a-0").view().incarnation == 2
+    scenario(tmp_path, [{"name": "a"}], body)
+
+
+async def _collect(items):
+    return [item async for item in items]
