@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import sys
@@ -138,17 +139,66 @@ def command_argv(spec: EngineSpec, port: int | None) -> list[str]:
     return [arg.replace("{port}", str(port)) for arg in spec.command]
 
 
-def pick_port(spec: EngineSpec) -> int | None:
-    """This spawn's port: a free loopback port for `auto`, else the spec's, which must be free
-    (a server that cannot bind would only crash-loop; saying which port is taken is better)."""
-    if spec.port is None:
-        return None
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+AUTO_PORT_FLOOR = 10000  # `port: auto` takes ports from here up to the kernel's ephemeral range
+AUTO_PORT_TRIES = 64
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The ports the kernel hands out as the source of outgoing connections (Linux's default
+    32768-60999)."""
+    try:
+        with open(path) as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+class PortPicker:
+    """This spawn's port. A fixed one (`port: N`) must be free: a server that cannot bind would
+    only crash-loop, and saying which port is taken is better. `auto` is a free loopback port
+    outside the kernel's ephemeral range: a port from inside it, free when picked, is often
+    taken as the source port of some outgoing connection before the server binds it (vLLM binds
+    its port half a minute after it starts), and the server then exits at once. Ports handed
+    out recently are not handed out again while their servers start."""
+
+    def __init__(self, rng: random.Random | None = None, hold_s: float = 600.0) -> None:
+        self.rng = rng or random.Random()
+        self.hold_s = hold_s
+        self._given: dict[int, float] = {}  # port -> monotonic time it was handed out
+
+    def pick(self, spec: EngineSpec) -> int | None:
+        if spec.port is None:
+            return None
+        if spec.port:
+            return _bind_test(spec.port, "")
+        now = time.monotonic()
+        self._given = {p: t for p, t in self._given.items() if now - t < self.hold_s}
+        low, high = ephemeral_range()
+        ranges = [r for r in (range(AUTO_PORT_FLOOR, low), range(high + 1, 65536)) if len(r)]
+        for _ in range(AUTO_PORT_TRIES if ranges else 0):
+            candidate = self.rng.choice(self.rng.choice(ranges))
+            if candidate in self._given:
+                continue
+            try:
+                port = _bind_test(candidate, "127.0.0.1")
+            except OSError:
+                continue
+            self._given[port] = now
+            return port
+        port = _bind_test(0, "127.0.0.1")  # every try taken: the kernel's choice, as before
+        self._given[port] = now
+        return port
+
+
+def _bind_test(port: int, host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(("" if spec.port else "127.0.0.1", spec.port))
+            probe.bind((host, port))
         except OSError as exc:
-            raise OSError(exc.errno, f"port {spec.port} is in use ({exc.strerror})") from None
+            raise OSError(exc.errno, f"port {port} is in use ({exc.strerror})") from None
         return int(probe.getsockname()[1])
 
 
@@ -202,10 +252,11 @@ class ExecLauncher:
         self.python = python
         self.budget = budget
         self.nofile = nofile
+        self.ports = PortPicker()
 
     async def start(self, spec: EngineSpec, config: EngineConfig) -> Child:
         if spec.is_command:
-            port = pick_port(spec)
+            port = self.ports.pick(spec)
             child = self.spawn_command(spec, config.incarnation, port)
             child.port = port
             return child
