@@ -315,9 +315,12 @@ class Replica:
         self.desired = Desired.STOPPED
         # A pending backoff restart is cancelled: status must not keep announcing it.
         self.intent.spawn_due, self.intent.reason, self.restart_at = None, None, None
+        inc = self.current
         if deadline is not None:
             self.intent.stop_by = deadline
-        if self.current is not None:
+            if inc is not None and inc.term_deadline is not None:  # already stopping: sooner
+                inc.term_deadline = min(inc.term_deadline, deadline)
+        if inc is not None:
             self.intent.command = Command.STOP
         elif self.state is not EngineState.STOPPED:
             self.set_state(EngineState.STOPPED)

@@ -131,6 +131,7 @@ class ReplicaWorker:
                 log.info("[stop] %s pid %d: SIGTERM to its process group", replica.name,
                          child.pid)
                 inc.terminate(now, replica.spec.stop_timeout_s, self.intent.stop_by)
+                self.intent.stop_by = None
             next_at: float | None
             if requested is not None or killed_for is not None:
                 killed, next_at = inc.escalate(now)

@@ -541,3 +541,21 @@ def test_no_verdict_until_a_heartbeat_interval_after_the_pause(tmp_path):
         assert w.replica("a-0").view().last_exit.reason == "hang"
 
     scenario(tmp_path, [{"name": "a"}], body)
+
+
+def test_a_shutdown_during_a_slow_stop_brings_its_sigkill_forward(tmp_path):
+    """A restart is stopping a child that ignores SIGTERM (stop_timeout 30 s); a shutdown with a
+    5 s shared deadline comes 1 s later: the SIGKILL comes at the shutdown's deadline."""
+    async def body(w: World) -> None:
+        w.launcher.behaviours["a-0"] = Behaviour(on_sigterm="ignore")
+        await w.start("a-0")
+        child = w.child("a-0")
+        w.fleet.command("restart", "a-0", all_at_once=True)
+        await w.settle(1.0)
+        assert child.signals[:1] == [signal.SIGTERM]
+        began = w.clock.monotonic()
+        await w.fleet.shutdown(deadline_s=5.0)
+        assert child.signalled_at[signal.SIGKILL] - began == pytest.approx(5.0, abs=1e-6)
+        assert w.spawns("a-0") == 1  # the restart never happened: it was stopped for good
+
+    scenario(tmp_path, [{"name": "a", "stop_timeout": "30s"}], body)
