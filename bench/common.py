@@ -1,10 +1,10 @@
 """What the benchmarks share: errors and waits, process tracking and cleanup by pid, the engined
 daemon (tests/driver.py's `Daemon` with what a benchmark adds), report and table helpers.
 
-The daemon driver is the tests' own (tests/driver.py, imported as `tests.driver`: the benchmarks
-run from the repository root, `python -m bench.NAME`); HTTP over the control socket is
-`engined.supervisor.client`. Nothing here kills by name: every process is tracked by pid (psutil
-handles, which guard against pid reuse) and stopped by pid.
+The daemon driver is the tests' own, tests/driver.py, imported by its one name, `driver` (bench's
+`__init__` puts tests/ on sys.path); HTTP over the control socket is `engined.supervisor.client`.
+Nothing here kills by name: every process is tracked by pid (psutil handles, which guard against
+pid reuse) and stopped by pid.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
+from driver import Daemon, build_spec, is_engine_of
 
 from engined.supervisor.client import UnixHTTPConnection
-from tests.driver import Daemon, build_spec, is_engine_of
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

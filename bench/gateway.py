@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from driver import is_engine_of
 
 from bench.common import (
     BenchDaemon,
@@ -62,7 +63,6 @@ from bench.common import (
 from bench.compare import engined_revision, free_port
 from bench.llm import build_checkpoint
 from bench.loop import TICK_S, Lag, Snapshots, bucket, est, ms, read_lag
-from tests.driver import is_engine_of
 
 MAX_TOKENS = 64
 CONCURRENCY = (1, 8)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from driver import is_engine_of
 
 from bench.common import (
     BenchError,
@@ -51,7 +52,6 @@ from bench.common import (
 )
 from bench.compare import Scraper, engined_revision, free_port
 from bench.core import Engined
-from tests.driver import is_engine_of
 
 FLEET = 100
 TICK_S = 0.25  # supervisor/loop.py TICK_S: the ticker's period, so ~4 observations a second

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from driver import is_engine_of
 
 from bench.common import (
     HEARTBEATS,
@@ -73,7 +74,6 @@ from bench.compare import engined_revision
 from bench.llm import build_checkpoint
 from bench.vllm import engine_spec as vllm_engine_spec
 from bench.vllm import serve_env, vllm_versions
-from tests.driver import is_engine_of
 
 LAUNCHERS = ("exec", "forkserver")
 REPLICAS = 2  # per daemon: sharing between forked siblings shows in their PSS

@@ -57,6 +57,7 @@ from typing import Any
 
 import psutil
 import yaml
+from driver import process_gone, read_until, stream_lines
 
 from bench.common import (
     HEARTBEATS,
@@ -77,7 +78,6 @@ from bench.common import (
 )
 from bench.compare import engined_revision, free_port
 from bench.llm import build_checkpoint
-from tests.driver import process_gone, read_until, stream_lines
 
 MAX_TOKENS = (16, 64)  # the headline first; two values to fit cost per request and per token
 CONCURRENCY = (1, 8)
