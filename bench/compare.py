@@ -13,11 +13,9 @@ tracked by pid and stopped by pid, never by name; everything listens on loopback
 from __future__ import annotations
 
 import argparse
-import http.client
 import os
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,22 +26,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+from driver import free_port
 
 from bench import llm
 from bench.common import (
     ROOT,
     BenchError,
     Cleanup,
-    Report,
     StatusConnection,
     Tracker,
-    cpu_busy_pct,
     cpu_s,
-    default_out,
     engine_processes,
-    machine_lines,
-    med,
-    table,
     wait_until,
     without_engined_vars,
 )
@@ -61,7 +54,18 @@ from bench.core import (
     floor_kill_to_ready,
     kill_once,
 )
+from bench.metrics import Scraper
+from bench.models import build_checkpoint
 from bench.peers import PEERS, Circus, Supervisord, ensure_venv, peer_env
+from bench.report import (
+    Report,
+    cpu_busy_pct,
+    default_out,
+    engined_revision,
+    machine_lines,
+    med,
+    table,
+)
 
 FLEET = 100  # children in scenarios 3, 4 and 6
 PEER_KILL_TIMEOUT_S = 20.0  # circus at its default check_delay (5 s) reaps only on its timer
@@ -176,37 +180,8 @@ def timed_call(argv: list[str], env: dict, cwd: Path) -> tuple[float, int, int]:
     return time.perf_counter() - started, done.returncode, len(done.stdout.splitlines())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _HB_RE = re.compile(rb'^engined_engine_heartbeat_timestamp_seconds\{engine="([^"]+)"\} (\S+)$',
                     re.M)
-
-
-class Scraper:
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.conn: http.client.HTTPConnection | None = None
-
-    def get(self) -> tuple[float, float, bytes]:
-        """One GET /metrics on a keep-alive connection: (duration, receive time, body)."""
-        if self.conn is None:
-            self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        started = time.perf_counter()
-        self.conn.request("GET", "/metrics")
-        resp = self.conn.getresponse()
-        body = resp.read()
-        took, now = time.perf_counter() - started, time.time()
-        if resp.status != 200:
-            raise BenchError(f"GET /metrics: HTTP {resp.status}")
-        return took, now, body
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
 
 
 def scrape_scenario(daemon: Engined, port: int, n: int, burst: int) -> dict:
@@ -251,24 +226,6 @@ def scrape_scenario(daemon: Engined, port: int, n: int, burst: int) -> dict:
             "burst_wall": burst_wall, "metric_age_max": max(metric_ages),
             "status_age_max": max((a for _t, a in status_ages), default=None),
             "status_polls": len(status_ages), "restarts": restarts_after - restarts_before}
-
-
-def engined_revision() -> str:
-    """The commit the engined under test was built from, and whether its sources differ (read
-    only: `--no-optional-locks` keeps git from even refreshing its index)."""
-    def git(*args: str) -> str:
-        try:
-            done = subprocess.run(["git", "--no-optional-locks", *args], cwd=ROOT,
-                                  capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-        return done.stdout.strip() if done.returncode == 0 else ""
-    head = git("rev-parse", "--short", "HEAD")
-    if not head:
-        return "- engined: not a git checkout"
-    changed = git("diff", "--name-only", "HEAD", "--", "supervisor", "engine").split()
-    return (f"- engined: commit {head}" + (f", with uncommitted changes in {', '.join(changed)}"
-                                           if changed else ""))
 
 
 # --- main ----------------------------------------------------------------------------------------
@@ -445,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         if llm_n:
             cache = Path(tempfile.mkdtemp(prefix="engined-bench-cache-"))
             cleanup.dirs.append(cache)
-            checkpoint = llm.build_checkpoint(cache)
+            checkpoint = build_checkpoint(cache)
             ld = cleanup.start(llm.Daemon(cache, tracker))
             crashes, colds = [], []
             for _ in range(llm_n):

@@ -45,24 +45,27 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from driver import is_engine_of
+from driver import free_port, is_engine_of
 
 from bench.common import (
     BenchDaemon,
     BenchError,
     Cleanup,
-    Report,
     Tracker,
-    cpu_busy_pct,
     cpu_s,
-    default_out,
-    machine_lines,
-    table,
     terminate,
 )
-from bench.compare import engined_revision, free_port
-from bench.llm import build_checkpoint
-from bench.loop import TICK_S, Lag, Snapshots, bucket, est, ms, read_lag
+from bench.metrics import TICK_S, Lag, Snapshots, bucket, est, read_lag
+from bench.metrics import lag_ms as ms
+from bench.models import build_checkpoint
+from bench.report import (
+    Report,
+    cpu_busy_pct,
+    default_out,
+    engined_revision,
+    machine_lines,
+    table,
+)
 
 MAX_TOKENS = 64
 CONCURRENCY = (1, 8)

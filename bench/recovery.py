@@ -61,17 +61,19 @@ from bench.common import (
     BenchError,
     Cleanup,
     KeepAlive,
-    Report,
     Tracker,
+    terminate,
+)
+from bench.models import build_checkpoint
+from bench.report import (
+    Report,
     cpu_busy_pct,
     default_out,
+    engined_revision,
     machine_lines,
     med,
     table,
-    terminate,
 )
-from bench.compare import engined_revision
-from bench.llm import build_checkpoint
 from bench.vllm import engine_spec as vllm_engine_spec
 from bench.vllm import serve_env, vllm_versions
 

@@ -57,7 +57,7 @@ from typing import Any
 
 import psutil
 import yaml
-from driver import process_gone, read_until, stream_lines
+from driver import free_port, process_gone, read_until, stream_lines
 
 from bench.common import (
     HEARTBEATS,
@@ -66,18 +66,20 @@ from bench.common import (
     BenchError,
     Cleanup,
     LeanHTTP,
-    Report,
     Tracker,
-    default_out,
-    machine_lines,
-    med,
-    table,
     terminate,
     wait_until,
     without_engined_vars,
 )
-from bench.compare import engined_revision, free_port
-from bench.llm import build_checkpoint
+from bench.models import build_checkpoint
+from bench.report import (
+    Report,
+    default_out,
+    engined_revision,
+    machine_lines,
+    med,
+    table,
+)
 
 MAX_TOKENS = (16, 64)  # the headline first; two values to fit cost per request and per token
 CONCURRENCY = (1, 8)
