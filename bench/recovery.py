@@ -74,8 +74,8 @@ from bench.report import (
     med,
     table,
 )
-from bench.vllm import engine_spec as vllm_engine_spec
-from bench.vllm import serve_env, vllm_versions
+from bench.vllm.engine import engine_spec as vllm_engine_spec
+from bench.vllm.engine import serve_env, vllm_versions
 
 LAUNCHERS = ("exec", "forkserver")
 REPLICAS = 2  # per daemon: sharing between forked siblings shows in their PSS
