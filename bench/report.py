@@ -10,7 +10,8 @@ the header that says what ran where, tables, and how numbers are shown.
 - Tables: `table(...)` (header and separator), `dist_row(...)` (label, median, min–max, n).
 - Numbers: `None` (and, in the rows of a distribution, NaN) is a value that is not there, shown
   as "–". `ms`, `sec`, `num` at a fixed precision; `ms_auto` by magnitude; `signed_pct`;
-  `spread` (min–max), `med_spread` (median (min–max)); `quantile`, `med`, `ratio`, `times`.
+  `spread` (min–max), `med_spread` (median (min–max)); `quantile`, `med`, `ratio`, `times`;
+  `counted` (each distinct item with its count).
 """
 
 from __future__ import annotations
@@ -231,3 +232,11 @@ def times(x: float | None) -> str:
     if x is None:
         return DASH
     return f"{x:,.0f}×" if x >= 100 else (f"{x:.1f}×" if x >= 10 else f"{x:.2f}×")
+
+
+def counted(items: Iterable[str]) -> str:
+    """`a ×2, b ×1`: each distinct item with how often it came, in order of first appearance."""
+    seen: dict[str, int] = {}
+    for item in items:
+        seen[item] = seen.get(item, 0) + 1
+    return ", ".join(f"{k} ×{v}" for k, v in seen.items()) or DASH
