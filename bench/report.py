@@ -10,8 +10,8 @@ the header that says what ran where, tables, and how numbers are shown.
 - Tables: `table(...)` (header and separator), `dist_row(...)` (label, median, min–max, n).
 - Numbers: `None` (and, in the rows of a distribution, NaN) is a value that is not there, shown
   as "–". `ms`, `sec`, `num` at a fixed precision; `ms_auto` by magnitude; `signed_pct`;
-  `spread` (min–max), `med_spread` (median (min–max)); `quantile`, `med`, `ratio`, `times`;
-  `counted` (each distinct item with its count).
+  `spread` and `ms_range` (min–max), `med_spread` (median (min–max)); `quantile`, `med`,
+  `ratio`, `times`; `counted` (each distinct item with its count).
 """
 
 from __future__ import annotations
@@ -210,6 +210,12 @@ def spread(values: Iterable[float | None], digits: int = 2, unit: str = "s", sca
     if not vals:
         return DASH
     return f"{num(min(vals), digits, scale=scale)}{sep}{num(max(vals), digits, unit, scale)}"
+
+
+def ms_range(values: Iterable[float | None]) -> str:
+    """`min – max` of the values that are there, each in `ms_auto`, or –."""
+    vals = present(values)
+    return f"{ms_auto(min(vals))} – {ms_auto(max(vals))}" if vals else DASH
 
 
 def med_spread(values: Iterable[float | None], digits: int = 2) -> str:
