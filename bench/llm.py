@@ -5,7 +5,7 @@
 
 1. Crash → READY of one tiny-llama replica (SIGKILL; backoff 0 so every restart is immediate),
    started by exec (`launcher: exec`, pinned: engined's default, the fork server, removes the
-   imports from a restart and is measured by bench/recovery.py) against the cold-start floor: a
+   imports from a restart and is measured by bench.recovery) against the cold-start floor: a
    fresh `python -c` that imports torch and transformers, loads the same checkpoint with
    `from_pretrained` and generates once (what any exec launcher pays).
 2. Generate throughput of one replica (threads 1) at batch sizes 1 and 8, max_tokens 64, through

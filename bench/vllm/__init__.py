@@ -19,7 +19,7 @@
    finished request before its next step): throughput and latency per path.
 2. Crash → READY: SIGKILL of the engine child, started by exec (`launcher: exec`, pinned: a cold
    interpreter per restart; engined's default, the fork server, is measured against exec by
-   bench/recovery.py) → READY again (the daemon's own `since`) against a cold start of `vllm
+   bench.recovery) → READY again (the daemon's own `since`) against a cold start of `vllm
    serve` (`python -m vllm.entrypoints.openai.api_server`, same model and engine arguments) from
    process start to `/health` 200, as an outer supervisor would restart it; also how long that
    server takes to exit after its EngineCore is SIGKILLed (what an outer supervisor waits for

@@ -63,7 +63,7 @@ def engine_spec(python: str, cache: Path) -> dict[str, Any]:
     """etc/examples/vllm-cpu.yaml's engine (backend, engine_args, env), one replica, 1 thread,
     max_batch_size 8 (vLLM's max_num_seqs), as the vLLM test tier runs it; started by exec
     (`launcher: exec`): each restart is a cold interpreter, which scenario 2 compares with a cold
-    `vllm serve` (bench/recovery.py sets its own launcher)."""
+    `vllm serve` (bench.recovery sets its own launcher)."""
     (example,) = yaml.safe_load(EXAMPLE.read_text())["engines"]
     env = {**example.get("env", {}), **VLLM_ENV, "ENGINED_CACHE_DIR": str(cache)}
     return {**example, "name": GROUP, "replicas": 1, "python": python, "threads": 1,
