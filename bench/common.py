@@ -1,9 +1,12 @@
 """What the benchmarks share: errors and waits, process tracking and cleanup by pid, the engined
-daemon (tests/driver.py's `Daemon` with what a benchmark adds), report and table helpers.
+daemon (tests/driver.py's `Daemon` with what a benchmark adds), clients of its control socket and
+the benchmarks' HTTP load generator. How they report is bench/report.py.
 
-The daemon driver is the tests' own (tests/driver.py, imported as `tests.driver`: the benchmarks
-run from the repository root, `python -m bench.NAME`); HTTP over the control socket is
-`engined.supervisor.client`. Nothing here kills by name: every process is tracked by pid (psutil
+The daemon driver is the tests' own, tests/driver.py, imported by its one name, `driver` (bench's
+`__init__` puts tests/ on sys.path). What the benchmarks use of engined's supervisor internals is
+imported here and nowhere else (HTTP over the control socket, the engine channels, how the
+launcher builds an engine child's environment, the spec's source), so that it is repointed in one
+place when they move. Nothing here kills by name: every process is tracked by pid (psutil
 handles, which guard against pid reuse) and stopped by pid.
 """
 
@@ -13,25 +16,27 @@ import asyncio
 import http.client
 import json
 import os
-import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
+from driver import Daemon, build_spec, is_engine_of
 
-from engined.supervisor.client import UnixHTTPConnection
-from tests.driver import Daemon, build_spec, is_engine_of
+# engined's supervisor internals, imported here only (`as`: re-exported to the benchmarks)
+from engined.supervisor.client import UnixHTTPConnection as UnixHTTPConnection
+from engined.supervisor.ipc import EngineChannels as EngineChannels
+from engined.supervisor.launcher import child_environment as child_environment
+from engined.supervisor.launcher import expose_engine_package as expose_engine_package
+from engined.supervisor.spec import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 T = TypeVar("T")
 
 
@@ -206,6 +211,12 @@ IMMEDIATE_RESTARTS = {
     "stop_timeout": "10s",
 }
 HEARTBEATS = {"heartbeat_interval": "1s", "heartbeat_timeout": "10s"}
+
+
+def spec_has_key(key: str) -> bool:
+    """Whether this engined's spec knows `key` (one still being built may not): its resolver's
+    source names it."""
+    return f'"{key}"' in Path(resolve.__file__).read_text()
 
 
 class KeepAlive:
@@ -436,61 +447,3 @@ class BenchDaemon(Daemon):
 
     def remove_dir(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-# --- report -------------------------------------------------------------------------------------
-class Report:
-    """Markdown lines, printed as they come and kept for the output file."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def __call__(self, *lines: str) -> None:
-        for line in lines:
-            print(line, flush=True)
-            self.lines.append(line)
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-    def write(self, out: Path) -> None:
-        """Write the report to `out` atomically (a temporary file, then rename)."""
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(self.text())
-        tmp.replace(out)
-        print(f"\n(written to {out})")
-
-
-def default_out(name: str, quick: bool) -> Path:
-    """bench/results/NAME.md, or NAME-quick.md for a quick run (git-ignored: a quick run never
-    replaces the committed results of a full one)."""
-    return RESULTS / (f"{name}-quick.md" if quick else f"{name}.md")
-
-
-def table(*columns: str) -> tuple[str, str]:
-    """A markdown table's header and separator lines."""
-    return "| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"
-
-
-def med(values: Iterable[float | None]) -> float | None:
-    """Median of the values that are there (None when none is)."""
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None
-
-
-def machine_lines() -> list[str]:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor() or "?")
-    return [f"- machine: {os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu}, "
-            f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, Linux {platform.release()}",
-            f"- python: {platform.python_version()} ({sys.executable})",
-            f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"]
-
-
-def cpu_busy_pct(cpu_start: Any) -> float:
-    """How busy all CPUs were on average since `cpu_start` (psutil.cpu_times()), in %."""
-    cpu_end = psutil.cpu_times()
-    busy = (sum(cpu_end) - cpu_end.idle - cpu_end.iowait) - (
-        sum(cpu_start) - cpu_start.idle - cpu_start.iowait)
-    return 100 * busy / max(1e-9, sum(cpu_end) - sum(cpu_start))

@@ -21,7 +21,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 
@@ -30,19 +29,26 @@ from bench.common import (
     BenchDaemon,
     BenchError,
     Cleanup,
-    Report,
     Tracker,
-    cpu_busy_pct,
     cpu_s,
-    default_out,
     engine_processes,
-    machine_lines,
-    med,
+    expose_engine_package,
     read_children,
-    table,
     terminate,
     wait_until,
     without_engined_vars,
+)
+from bench.report import (
+    Report,
+    add_out_option,
+    dist_row,
+    machine_lines,
+    machine_load,
+    med,
+    ms,
+    out_path,
+    table,
+    title,
 )
 
 TARGETS = {  # the issue's targets: (label, limit, unit)
@@ -56,16 +62,9 @@ POLL_SLEEP_S = 50e-6  # between /proc reads of the polling fallback
 SETTLE_S = 0.1  # after READY / respawn, before the next kill: let the new child finish starting
 
 
-# --- small helpers ------------------------------------------------------------------------------
-def fmt_ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f}"
-
-
-def stats_row(name: str, samples: list[float], extra: str = "") -> str:
-    if not samples:
-        return f"| {name} | – | – | 0 |{extra}"
-    return (f"| {name} | {fmt_ms(statistics.median(samples))} ms | {fmt_ms(min(samples))}–"
-            f"{fmt_ms(max(samples))} ms | {len(samples)} |{extra}")
+def stats_row(name: str, samples: list[float]) -> str:
+    """`| name | median | min–max | n |` in milliseconds."""
+    return dist_row(name, samples, 2, "ms", 1e3)
 
 
 # --- engined ------------------------------------------------------------------------------------
@@ -392,7 +391,6 @@ def engine_child_env(listener: ReadyListener) -> dict[str, str]:
     nothing else of ours, through `expose_engine_package`'s directory on PYTHONPATH."""
     from engined.engine.contract import ENV_CONFIG
     from engined.engine.protocol import EngineConfig, encode_config
-    from engined.supervisor.launcher import expose_engine_package
     config = EngineConfig(
         name="floor-0", group="floor", rank=0, replicas=1, incarnation=1, model="builtin:echo",
         dtype=None, gpus=[], data_parallel=False, max_batch_size=8, threads=1,
@@ -454,28 +452,22 @@ def verdict(key: str, value: float) -> str:
     return "PASS" if value < TARGETS[key][1] else "MISS"
 
 
-def median_ms(values: list[float | None]) -> str:
-    m = med(values)
-    return "–" if m is None else f"{m * 1e3:.2f} ms"
-
-
 def breakdown_rows(name: str, kills: list[Kill]) -> str:
     """Split one supervisor's kills at the kernel's exit event of the victim."""
     def between(a, b):
         return [getattr(k, b) - getattr(k, a) for k in kills
                 if getattr(k, a) is not None and getattr(k, b) is not None]
-    return (f"| {name} | {median_ms([k.exit_s for k in kills])} | "
-            f"{median_ms(between('exit_s', 'detect_s'))} | "
-            f"{median_ms(between('exit_s', 'respawn_s'))} | "
-            f"{median_ms(between('respawn_s', 'exec_s'))} |")
+    return (f"| {name} | {ms(med([k.exit_s for k in kills]))} | "
+            f"{ms(med(between('exit_s', 'detect_s')))} | "
+            f"{ms(med(between('exit_s', 'respawn_s')))} | "
+            f"{ms(med(between('respawn_s', 'exec_s')))} |")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.core",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="n=5 kills, 10 s idle")
-    parser.add_argument("--out", default=None, help="default bench/results/core.md "
-                        "(--quick: bench/results/core-quick.md)")
+    add_out_option(parser, "core")
     parser.add_argument("-n", type=int, default=None, help="kills per latency scenario")
     parser.add_argument("--idle", type=float, default=None, help="idle window in seconds")
     parser.add_argument("--no-proc-events", action="store_true",
@@ -483,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     n = args.n or (5 if args.quick else 30)
     idle_s = args.idle or (10.0 if args.quick else 60.0)
-    out = Path(args.out) if args.out else default_out("core", args.quick)
+    out = out_path(args, "core")
 
     r = Report()
     tracker = Tracker()
@@ -492,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     events = None if args.no_proc_events else ProcEvents.open()
     if events is not None:
         cleanup.closers.append(events.close)
-    r(f"# engined core benchmark{' (--quick)' if args.quick else ''}", "", *machine_lines(),
+    r(title("engined core benchmark", args.quick), "", *machine_lines(),
       f"- kills per latency scenario: n={n}; idle window: {idle_s:g} s",
       "- observer: " + ("kernel proc events (netlink proc connector), passive" if events else
                         "polling /proc/<pid>/task/<pid>/children (no proc connector here)"),
@@ -561,10 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         cleanup.close()
     overruns = events.overruns if events is not None else 0
 
-    busy_pct = cpu_busy_pct(cpu_start)
-    r(f"- machine load during the run: load average {load_start[0]:.2f} at start, "
-      f"{os.getloadavg()[0]:.2f} at end; all CPUs {busy_pct:.0f} % busy on average (everything "
-      "on the machine, this benchmark included). Other work on a shared machine inflates the "
+    r(machine_load(load_start, cpu_start) + " Other work on a shared machine inflates the "
       "latencies; compare engined with the floor rows, which ran side by side with it.", "")
     fl, fe, en = res["floor"], res["floor_engine"], res["engined"]
     quiet, polled, idl = res["ready_quiet"], res["ready_polled"], res["idle"]

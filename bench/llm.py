@@ -5,7 +5,7 @@
 
 1. Crash → READY of one tiny-llama replica (SIGKILL; backoff 0 so every restart is immediate),
    started by exec (`launcher: exec`, pinned: engined's default, the fork server, removes the
-   imports from a restart and is measured by bench/recovery.py) against the cold-start floor: a
+   imports from a restart and is measured by bench.recovery) against the cold-start floor: a
    fresh `python -c` that imports torch and transformers, loads the same checkpoint with
    `from_pretrained` and generates once (what any exec launcher pays).
 2. Generate throughput of one replica (threads 1) at batch sizes 1 and 8, max_tokens 64, through
@@ -38,13 +38,19 @@ from bench.common import (
     BenchDaemon,
     BenchError,
     Cleanup,
-    Report,
     Tracker,
-    default_out,
-    machine_lines,
-    table,
     terminate,
-    without_engined_vars,
+)
+from bench.models import build_checkpoint, model_env
+from bench.report import (
+    Report,
+    add_out_option,
+    dist_row,
+    load_average,
+    machine_lines,
+    out_path,
+    table,
+    title,
 )
 
 MAX_TOKENS = 64
@@ -73,34 +79,6 @@ print(imported, loaded, time.time(), flush=True)
 """
 
 _READY_LOG_RE = re.compile(r"^\[ready\] tiny-0 incarnation (\d+) loaded in ([0-9.]+)s", re.M)
-
-
-# --- environment ----------------------------------------------------------------------------------
-def child_env(cache: Path, **extra: str) -> dict[str, str]:
-    """Like an engine child's: one thread, offline, no GPU. No PYTHONPATH: the installed
-    package is what runs (and `python -m bench.llm` finds bench/ from the repository root)."""
-    env = without_engined_vars(None, "WATCHDOG_USEC", "WATCHDOG_PID", "PYTHONPATH")
-    env.update({"ENGINED_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
-                "PYTHONUNBUFFERED": "1"})
-    env.update(extra)
-    return env
-
-
-def build_checkpoint(cache: Path, name: str | None = None,
-                     dims: dict[str, Any] | None = None) -> Path:
-    """Build the tiny model into `cache` (untimed), exactly as an engine would on first use; with
-    `name` and `dims`, the same recipe at other dimensions (`engine.llm.recipe_dir`)."""
-    code = ("import json, sys; from engined.engine.llm import recipe_dir, tiny_llama_dir; "
-            "quiet = lambda phase, detail: None; "
-            "print(recipe_dir(sys.argv[1], json.loads(sys.argv[2]), quiet) if len(sys.argv) > 1 "
-            "else tiny_llama_dir(quiet))")
-    extra = [name, json.dumps(dims)] if name is not None else []
-    done = subprocess.run([sys.executable, "-c", code, *extra], cwd=ROOT, env=child_env(cache),
-                          capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise BenchError(f"building {name or 'tiny-llama'} failed:\n{done.stderr[-2000:]}")
-    return Path(done.stdout.strip())
 
 
 # --- the daemon -----------------------------------------------------------------------------------
@@ -150,7 +128,7 @@ def crash_to_ready(daemon: Daemon) -> dict[str, float]:
 def cold_start(checkpoint: Path, cache: Path, tracker: Tracker) -> dict[str, float]:
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, "-c", COLD_START, str(checkpoint)], cwd=ROOT,
-                            env=child_env(cache), stdin=subprocess.DEVNULL,
+                            env=model_env(cache), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tracker.add(proc.pid)
     out, err = proc.communicate(timeout=300)
@@ -169,7 +147,7 @@ class DirectWorker:
 
     def __init__(self, cache: Path, tracker: Tracker) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.llm", "--direct-worker"],
-                                     cwd=ROOT, env=child_env(cache), stdin=subprocess.PIPE,
+                                     cwd=ROOT, env=model_env(cache), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         tracker.add(self.proc.pid)
         if self._line() != {"ready": True}:
@@ -266,19 +244,13 @@ async def throughput(daemon: Daemon, worker: DirectWorker, rounds: int) -> dict[
 
 
 # --- report ---------------------------------------------------------------------------------------
-def fmt_s(values: list[float]) -> tuple[str, str]:
-    return (f"{statistics.median(values):.3f} s",
-            f"{min(values):.3f}–{max(values):.3f} s")
-
-
 def tps(sample: dict[str, Any]) -> float:
     return sample["tokens"] / sample["elapsed_s"]
 
 
 def report_crash(r: Report, crashes: list[dict], colds: list[dict]) -> None:
     def row(label: str, values: list[float]) -> str:
-        med, span = fmt_s(values)
-        return f"| {label} | {med} | {span} | {len(values)} |"
+        return dist_row(label, values, 3)
     r("## 1. Crash → READY vs the cold-start floor (one tiny-llama replica, `launcher: exec`, "
       "CPU, 1 thread)", "",
       *table("measure", "median", "min–max", "n"),
@@ -363,8 +335,7 @@ def report_throughput(r: Report, res: dict[int, dict], rounds: int) -> dict[int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.llm", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="n=3 crashes/cold starts, 3 rounds")
-    parser.add_argument("--out", default=None, help="default bench/results/llm.md "
-                        "(--quick: bench/results/llm-quick.md)")
+    add_out_option(parser, "llm")
     parser.add_argument("-n", type=int, default=None, help="crashes and cold starts (default 10)")
     parser.add_argument("--rounds", type=int, default=None, help="throughput rounds (default 30)")
     parser.add_argument("--cache-dir", default=None,
@@ -376,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.n or (3 if args.quick else 10)
     rounds = args.rounds or (3 if args.quick else 30)
 
-    out = Path(args.out) if args.out else default_out("llm", args.quick)
+    out = out_path(args, "llm")
 
     r, tracker = Report(), Tracker()
     cleanup = Cleanup(tracker)
@@ -384,9 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cache_dir is None:
         cleanup.dirs.append(cache)
     try:
-        load_before = os.getloadavg()
-        r(f"# engined tiny-llama benchmark{' (--quick)' if args.quick else ''}", "",
-          *machine_lines(), f"- load average at start: {load_before[0]:.2f} (1 min)",
+        r(title("engined tiny-llama benchmark", args.quick), "", *machine_lines(),
+          load_average("start"),
           f"- crashes and cold starts: n={n} (interleaved); throughput rounds: {rounds}", "")
         checkpoint = build_checkpoint(cache)
         r(f"- torch {version('torch')}, transformers {version('transformers')}; model: "
@@ -407,8 +377,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report_crash(r, crashes, colds)
     report_throughput(r, res, rounds)
-    r(f"- load average at end: {os.getloadavg()[0]:.2f} (1 min); processes left over and killed "
-      f"by pid: {leftovers or 'none'}")
+    r(f"{load_average('end')}; processes left over and killed by pid: {leftovers or 'none'}")
     r.write(out)
     return 0  # a report, not a gate: the verdict is in the table
 

@@ -18,7 +18,6 @@ stopped by pid, never by name.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import math
 import os
@@ -31,30 +30,44 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psutil
+from driver import free_port, is_engine_of
 
 from bench.common import (
     BenchError,
     Cleanup,
-    Report,
     Tracker,
-    cpu_busy_pct,
     cpu_s,
-    default_out,
-    machine_lines,
     read_children,
-    table,
     terminate,
     wait_until,
 )
-from bench.compare import Scraper, engined_revision, free_port
 from bench.core import Engined
-from tests.driver import is_engine_of
+from bench.metrics import (
+    TICK_S,
+    Lag,
+    Scraper,
+    Snapshots,
+    bound,
+    bucket,
+    est,
+    lag_ms,
+    read_lag,
+)
+from bench.report import (
+    Report,
+    add_out_option,
+    cpu_busy_pct,
+    engined_revision,
+    machine_lines,
+    machine_load,
+    out_path,
+    table,
+    title,
+)
 
 FLEET = 100
-TICK_S = 0.25  # supervisor/loop.py TICK_S: the ticker's period, so ~4 observations a second
 KILL_EVERY_S = 0.5
 CHURN_SAMPLE_EVERY = 10  # --timeline: in churn, one extra scrape every 10th kill (5 s)
 SAMPLE_S = 0.5  # the /proc sampler's period (daemon CPU and machine busy, for the spikes)
@@ -62,90 +75,7 @@ SPIKE_S = 0.05  # a tick later than this is listed with what it coincided with
 MAX_SPIKES = 15  # listed per phase
 SETTLE_S = 3.0  # after all READY (and between phases): last READYs, heartbeats flowing
 
-_BUCKET_RE = re.compile(rb'^engined_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M)
-_SUM_RE = re.compile(rb"^engined_event_loop_lag_seconds_sum (\S+)$", re.M)
-_COUNT_RE = re.compile(rb"^engined_event_loop_lag_seconds_count (\S+)$", re.M)
-_STALLED_RE = re.compile(rb"^engined_event_loop_stalled_seconds_total (\S+)$", re.M)
 _OUR_KILL_RE = re.compile(r"WARNING \[exit\] \S+ pid \d+ killed by SIGKILL.*restarting now")
-
-
-# --- the histogram ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Lag:
-    """One reading of the loop metrics: cumulative buckets (le, count), +Inf last."""
-
-    buckets: tuple[tuple[float, float], ...]
-    total: float  # _sum
-    count: float  # _count
-    stalled: float  # engined_event_loop_stalled_seconds_total
-    t: float = 0.0  # time.monotonic() of the reading
-
-    @classmethod
-    def parse(cls, body: bytes, t: float = 0.0) -> Lag:
-        buckets = tuple((float(le), float(v)) for le, v in _BUCKET_RE.findall(body))
-        found = [_SUM_RE.search(body), _COUNT_RE.search(body), _STALLED_RE.search(body)]
-        if not buckets or buckets[-1][0] != math.inf or not all(found):
-            raise BenchError("GET /metrics has no complete engined_event_loop_lag_seconds "
-                             "histogram / engined_event_loop_stalled_seconds_total")
-        total, count, stalled = (float(m.group(1)) for m in found)  # type: ignore[union-attr]
-        return cls(buckets, total, count, stalled, t)
-
-    def __sub__(self, before: Lag) -> Lag:
-        if [le for le, _ in self.buckets] != [le for le, _ in before.buckets]:
-            raise BenchError("the lag histogram's buckets changed between two scrapes")
-        return Lag(tuple((le, a - b) for (le, a), (_, b) in zip(self.buckets, before.buckets)),
-                   self.total - before.total, self.count - before.count,
-                   self.stalled - before.stalled, self.t - before.t)
-
-    def quantile(self, q: float) -> float | None:
-        """Prometheus' histogram_quantile: the first bucket whose cumulative count reaches
-        q * count, linear interpolation inside it (lower bound 0 for the first bucket); in the
-        +Inf bucket, the highest finite bound."""
-        n = self.buckets[-1][1]
-        if n <= 0:
-            return None
-        rank = q * n
-        prev_le, prev_c = 0.0, 0.0
-        for le, c in self.buckets:
-            if c >= rank:
-                if le == math.inf:
-                    return prev_le
-                return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
-            prev_le, prev_c = le, c
-        return prev_le
-
-    def max_bucket(self) -> tuple[float, float] | None:
-        """(lower, upper] of the highest bucket with an observation; None if there is none."""
-        prev_le, prev_c, top = 0.0, 0.0, None
-        for le, c in self.buckets:
-            if c > prev_c:
-                top = (prev_le, le)
-            prev_le, prev_c = le, c
-        return top
-
-    def above(self, bound: float) -> float:
-        """Observations above `bound` (which must be a bucket bound)."""
-        cum = next(c for le, c in self.buckets if le == bound)
-        return self.buckets[-1][1] - cum
-
-
-class Snapshots(Scraper):
-    """bench.compare's Scraper for the readings around the phases: it reconnects once when the
-    server has closed the idle keep-alive connection (the daemon's web server closes a connection
-    idle for CLIENT_TIMEOUT_S, 10 s; the idle phase leaves this one alone for longer)."""
-
-    def get(self) -> tuple[float, float, bytes]:
-        try:
-            return super().get()
-        except (OSError, http.client.HTTPException):
-            self.close()
-            self.conn = None
-            return super().get()
-
-
-def read_lag(scraper: Scraper) -> Lag:
-    _took, _recv, body = scraper.get()
-    return Lag.parse(body, time.monotonic())
 
 
 # --- phases -------------------------------------------------------------------------------------
@@ -403,36 +333,10 @@ def churn_phase(daemon: Engined, snap: Scraper, duration_s: float, tracker: Trac
 
 
 # --- report -------------------------------------------------------------------------------------
-def ms(seconds: float | None) -> str:
-    if seconds is None:
-        return "–"
-    return f"{seconds * 1e3:.2f} ms" if seconds < 0.1 else f"{seconds * 1e3:.0f} ms"
-
-
-def est(d: Lag, q: float) -> str:
-    """A quantile estimate; † when it lies in the first bucket (interpolated within 0-1 ms)."""
-    v = d.quantile(q)
-    return "–" if v is None else ms(v) + ("†" if v <= d.buckets[0][0] else "")
-
-
-def bound(x: float) -> str:
-    return f"{x * 1e3:g} ms" if x < 1 else f"{x:g} s"
-
-
-def bucket(top: tuple[float, float] | None) -> str:
-    if top is None:
-        return "–"
-    lo, hi = top
-    return f"≤ {bound(hi)}" if lo == 0 else f"({bound(lo)}, {bound(hi)}]"
-
-
 def report(r: Report, phases: list[Phase], phase_s: float, fleet_start_s: float,
            load_start, cpu_start, run_s: float, leftovers: list[int], stop_note: str) -> None:
-    r(f"- machine load during the run: load average {load_start[0]:.2f} at start, "
-      f"{os.getloadavg()[0]:.2f} at end; all CPUs {cpu_busy_pct(cpu_start):.0f} % busy on "
-      f"average (everything on the machine, this benchmark included); run time {run_s:.0f} s. "
-      "Other work on a shared machine shows up as lag too: the per-phase machine columns say "
-      "how busy it was.", "",
+    r(machine_load(load_start, cpu_start, run_s) + " Other work on a shared machine shows up as "
+      "lag too: the per-phase machine columns say how busy it was.", "",
       f"{FLEET}-engine fleet start (spawn → all READY, as seen by polling): {fleet_start_s:.1f} s.",
       "", f"## Event-loop lag at {FLEET} echo engines ({phase_s:g} s per phase)", "",
       *table("phase", "ticks (expected)", "mean", "p50", "p90", "p99", "max bucket",
@@ -442,8 +346,9 @@ def report(r: Report, phases: list[Phase], phase_s: float, fleet_start_s: float,
         d = p.delta
         assert d is not None
         n = d.count
-        r(f"| {p.name} | {n:.0f} ({p.wall_s / TICK_S:.0f}) | {ms(d.total / n if n else None)} | "
-          f"{est(d, 0.5)} | {est(d, 0.9)} | {est(d, 0.99)} | "
+        r(f"| {p.name} | {n:.0f} ({p.wall_s / TICK_S:.0f}) | "
+          f"{lag_ms(d.total / n if n else None)} | {est(d, 0.5)} | {est(d, 0.9)} | "
+          f"{est(d, 0.99)} | "
           f"{bucket(d.max_bucket())} | {d.above(SPIKE_S):.0f} | {d.stalled:.3f} | "
           f"{p.daemon_cpu_pct:.1f} % | {p.machine_busy_pct:.0f} % (load {p.loadavg[0]:.2f}→"
           f"{p.loadavg[1]:.2f}) | {'–' if p.floor else p.restarts} |")
@@ -457,8 +362,8 @@ def report(r: Report, phases: list[Phase], phase_s: float, fleet_start_s: float,
       "process during the idle phase, with the same buckets: what this machine's timers and "
       "scheduler give any asyncio loop; its CPU column is its own CPU.",
       f"- scrape storm: {storm['scrapes']} scrapes ({storm['rate']:.0f}/s), one at a time on one "
-      f"keep-alive connection; a scrape took median {ms(storm['scrape_med'])}, p99 "
-      f"{ms(storm['scrape_p99'])}, max {ms(storm['scrape_max'])}.",
+      f"keep-alive connection; a scrape took median {lag_ms(storm['scrape_med'])}, p99 "
+      f"{lag_ms(storm['scrape_p99'])}, max {lag_ms(storm['scrape_max'])}.",
       f"- churn: {churn['kills']} SIGKILLs (one every {KILL_EVERY_S:g} s"
       + (f"; {churn['skipped']} slots found no live engine" if churn['skipped'] else "")
       + f"); every engine READY again {churn['ready_again_s']:.1f} s after the last one.",
@@ -496,7 +401,7 @@ def report(r: Report, phases: list[Phase], phase_s: float, fleet_start_s: float,
         r("- none")
     r("", "The \"before\" reading of each phase (a `GET /metrics`; the tick due while it "
       "is served lands in the phase, late by up to its duration) took: "
-      + ", ".join(f"{p.name} {ms(p.before_read_s)}" for p in phases if not p.floor) + ".")
+      + ", ".join(f"{p.name} {lag_ms(p.before_read_s)}" for p in phases if not p.floor) + ".")
     r("", "Timeline: in the storm every scrape carries the histogram, so a late tick is placed "
       "between two scrapes; " + (
           f"in churn (--timeline) an extra scrape every {CHURN_SAMPLE_EVERY} kills "
@@ -537,7 +442,7 @@ def report(r: Report, phases: list[Phase], phase_s: float, fleet_start_s: float,
       f"{TICK_S:g} s, observation = how late it woke) and "
       "`engined_event_loop_stalled_seconds_total` (wake-ups ≥ 1 s late). The daemon renders "
       "a scrape's body on the loop (its per-engine process sampling runs in a worker thread "
-      f"that competes for the GIL; a scrape took ~{ms(storm['scrape_med'])} end to end here), "
+      f"that competes for the GIL; a scrape took ~{lag_ms(storm['scrape_med'])} end to end here), "
       "so the tick due during the "
       "\"before\" reading (a chance of about scrape time / tick period) lands in the phase "
       "late by up to that much: at most one such tick per phase. The reading connection "
@@ -554,15 +459,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="10 s per phase")
     parser.add_argument("--phase", type=float, default=None,
                         help="seconds per phase (default 60; --quick 10)")
-    parser.add_argument("--out", default=None, help="default bench/results/loop.md "
-                        "(--quick: bench/results/loop-quick.md)")
+    add_out_option(parser, "loop")
     parser.add_argument("--timeline", action="store_true",
                         help=f"churn: one extra GET /metrics every {CHURN_SAMPLE_EVERY} kills, to "
                         "place its late ticks in time (each scrape can delay a tick itself)")
     parser.add_argument("--seed", type=int, default=8, help="victim choice in the churn phase")
     args = parser.parse_args(argv)
     phase_s = args.phase or (10.0 if args.quick else 60.0)
-    out = Path(args.out) if args.out else default_out("loop", args.quick)
+    out = out_path(args, "loop")
 
     r, tracker = Report(), Tracker()
     cleanup = Cleanup(tracker)
@@ -571,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench.loop: signal {signum}, cleaning up")
     signal.signal(signal.SIGTERM, on_sigterm)
     t_run = time.monotonic()
-    r(f"# engined event-loop lag{' (--quick)' if args.quick else ''}", "", *machine_lines(),
+    r(title("engined event-loop lag", args.quick), "", *machine_lines(),
       engined_revision(), f"- {FLEET} echo engines; {phase_s:g} s per phase", "")
     load_start, cpu_start = os.getloadavg(), psutil.cpu_times()
     snap: Scraper | None = None

@@ -36,12 +36,12 @@ from pathlib import Path
 from bench.common import (
     BenchError,
     Tracker,
+    UnixHTTPConnection,
     read_children,
     terminate,
     wait_until,
     without_engined_vars,
 )
-from engined.supervisor.client import UnixHTTPConnection
 
 # Pinned, so a result names exactly what it measured.
 PEERS = {"supervisord": ("supervisor", "4.3.0"), "circus": ("circus", "0.19.0")}

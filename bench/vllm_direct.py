@@ -1,9 +1,9 @@
 """bench.vllm's direct path: vLLM's LLMEngine driven in this one process, no engined around it.
 
-    VLLM_PYTHON -m bench.vllm_direct CONFIG_JSON    # started by bench/vllm.py, never by hand
+    VLLM_PYTHON -m bench.vllm_direct CONFIG_JSON    # started by bench.vllm, never by hand
 
 Runs under the vLLM venv's interpreter with nothing of engined but its engine package, which
-bench/vllm.py puts on PYTHONPATH exactly as the daemon exposes it to its children
+bench.vllm puts on PYTHONPATH exactly as the daemon exposes it to its children
 (`engined.supervisor.launcher.expose_engine_package`), and from the repository root, as the
 daemon runs its children; so this file imports only the standard library and `engined.engine`.
 The engine is built by the very function an engine child calls (`build_vllm_backend`, same

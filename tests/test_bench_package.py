@@ -1,0 +1,125 @@
+"""bench/ stays a package one can read: no module over 700 lines and no class over 300, no import
+cycle between its modules, the daemon driver under one import name (`driver`, never
+`tests.driver`), engined's supervisor internals imported in bench/common.py only, and every
+documented entry point answers --help. Static checks and short subprocesses: nothing runs a
+benchmark (the quick runs are the `bench` marker's, tests/test_bench_*_quick.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH = REPO_ROOT / "bench"
+MAX_MODULE_LINES = 700
+MAX_CLASS_LINES = 300
+# every `python -m bench.NAME` that the READMEs, .ci/run and the tests name, with --help
+ENTRY_POINTS = ("core", "compare", "gateway", "llm", "loop", "recovery", "vllm")
+
+
+def modules() -> dict[str, Path]:
+    """Dotted name -> file of every module under bench/ (a package's is its __init__)."""
+    found = {}
+    for path in sorted(BENCH.rglob("*.py")):
+        parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported(path: Path, names: set[str]) -> set[str]:
+    """The bench modules `path` imports, at any depth of its code (`from bench.x import y` counts
+    bench.x.y when that is a module, else bench.x)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                if sub in names:
+                    out.add(sub)
+                elif node.module in names:
+                    out.add(node.module)
+    return out
+
+
+def test_no_module_or_class_too_long() -> None:
+    too_long = []
+    for name, path in modules().items():
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if length > MAX_CLASS_LINES:
+                    too_long.append(f"{name}.{node.name}: {length} lines")
+    assert not too_long, too_long
+
+
+def test_no_import_cycle() -> None:
+    mods = modules()
+    names = set(mods)
+    graph = {name: imported(path, names) - {name} for name, path in mods.items()}
+    state: dict[str, str] = {}
+
+    def visit(name: str, stack: list[str]) -> None:
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            if state.get(dep) == "open":
+                cycle = stack[stack.index(dep):] + [dep]
+                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+            if dep not in state:
+                visit(dep, [*stack, dep])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_driver_and_supervisor_imports() -> None:
+    wrong = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            module = (node.module if isinstance(node, ast.ImportFrom)
+                      else node.names[0].name if isinstance(node, ast.Import) else "") or ""
+            if module == "tests" or module.startswith("tests."):
+                wrong.append(f"{name} imports {module}: the driver's name is `driver`")
+            if module.startswith("engined.supervisor") and name != "bench.common":
+                wrong.append(f"{name} imports {module}: take it from bench.common")
+    assert not wrong, wrong
+
+
+def test_every_module_imports_with_one_driver() -> None:
+    """Every bench module imported in one process: tests/driver.py is loaded once, as `driver`."""
+    names = [n for n in modules() if not n.endswith("__main__")
+             and n not in ("bench.floor", "bench.vllm_direct")]  # stdlib-only children
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(n for n, m in sys.modules.items()\n"
+            "             if (getattr(m, '__file__', None) or '').endswith('tests/driver.py')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "['driver']", done.stdout
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_entry_point_answers_help(name: str) -> None:
+    done = subprocess.run([sys.executable, "-m", f"bench.{name}", "--help"], cwd=REPO_ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(f"usage: python -m bench.{name}"), done.stdout[:300]
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("ENGINED_") and k not in ("NOTIFY_SOCKET", "PYTHONPATH")}
