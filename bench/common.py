@@ -31,9 +31,9 @@ from driver import Daemon, build_spec, is_engine_of
 
 # engined's supervisor internals, imported here only (`as`: re-exported to the benchmarks)
 from engined.supervisor.client import UnixHTTPConnection as UnixHTTPConnection
+from engined.supervisor.host.launcher import child_environment as child_environment
+from engined.supervisor.host.launcher import expose_engine_package as expose_engine_package
 from engined.supervisor.ipc import EngineChannels as EngineChannels
-from engined.supervisor.launcher import child_environment as child_environment
-from engined.supervisor.launcher import expose_engine_package as expose_engine_package
 from engined.supervisor.spec import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +83,7 @@ def read_children(pid: int) -> set[int]:
         os.close(fd)
 
 
-GUARD_MODULE = "engined.supervisor.guard"
+GUARD_MODULE = "engined.supervisor.host.guard"
 FORK_SERVER_TITLE = "engined: fork server"  # engined.engine.contract's
 
 

@@ -176,8 +176,8 @@ class DirectWorker:
 def direct_worker_main() -> int:
     """The worker's side: build the model exactly as the engine does, then time generate calls."""
     from engined.engine.backend import Admission, Delta
-    from engined.engine.llm import build_hf_backend
     from engined.engine.protocol import EngineConfig, Sampling
+    from engined.engine.transformers_backend import build_hf_backend
 
     config = EngineConfig(name="direct", group="direct", rank=0, replicas=1, incarnation=1,
                           model="builtin:tiny-llama", dtype=None, gpus=[], data_parallel=False,

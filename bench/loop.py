@@ -435,8 +435,8 @@ def report(r: Report, phases: list[Phase], phase_s: float, fleet_start_s: float,
       "thread, one keep-alive connection); churn (every "
       f"{KILL_EVERY_S:g} s on a fixed schedule, a random child of the daemon from "
       "`/proc/<pid>/task/<pid>/children` that is its engine (`ENGINED_PARENT_PID`; its "
-      "`engined.supervisor.guard` child is not one, so it is never picked) is SIGKILLed through "
-      "a psutil handle).",
+      "`engined.supervisor.host.guard` child is not one, so it is never picked) is SIGKILLed "
+      "through a psutil handle).",
       "- Each phase is bracketed by two `GET /metrics` on a second keep-alive connection; the "
       "numbers are their difference: `engined_event_loop_lag_seconds` (ticker every "
       f"{TICK_S:g} s, observation = how late it woke) and "

@@ -29,8 +29,8 @@ def model_env(cache: Path, **extra: str) -> dict[str, str]:
 def build_checkpoint(cache: Path, name: str | None = None,
                      dims: dict[str, Any] | None = None) -> Path:
     """Build the tiny model into `cache` (untimed), exactly as an engine would on first use; with
-    `name` and `dims`, the same recipe at other dimensions (`engine.llm.recipe_dir`)."""
-    code = ("import json, sys; from engined.engine.llm import recipe_dir, tiny_llama_dir; "
+    `name` and `dims`, the same recipe at other dimensions (`engine.checkpoint.recipe_dir`)."""
+    code = ("import json, sys; from engined.engine.checkpoint import recipe_dir, tiny_llama_dir; "
             "quiet = lambda phase, detail: None; "
             "print(recipe_dir(sys.argv[1], json.loads(sys.argv[2]), quiet) if len(sys.argv) > 1 "
             "else tiny_llama_dir(quiet))")

@@ -4,7 +4,7 @@
 
 Runs under the vLLM venv's interpreter with nothing of engined but its engine package, which
 bench.vllm puts on PYTHONPATH exactly as the daemon exposes it to its children
-(`engined.supervisor.launcher.expose_engine_package`), and from the repository root, as the
+(`engined.supervisor.host.launcher.expose_engine_package`), and from the repository root, as the
 daemon runs its children; so this file imports only the standard library and `engined.engine`.
 The engine is built by the very function an engine child calls (`build_vllm_backend`, same
 EngineConfig: EngineArgs, thread bound, environment, warm-up); then each job on stdin (one JSON
