@@ -1,8 +1,8 @@
-"""bench/ stays a package one can read: no module over 700 lines and no class over 300, no import
-cycle between its modules, the daemon driver under one import name (`driver`, never
-`tests.driver`), engined's supervisor internals imported in bench/common.py only, and every
-documented entry point answers --help. Static checks and short subprocesses: nothing runs a
-benchmark (the quick runs are the `bench` marker's, tests/test_bench_*_quick.py).
+"""bench/ stays a package one can read (module and class sizes and import cycles are checked with
+engined's packages, tests/unit/test_layout.py): the daemon driver under one import name
+(`driver`, never `tests.driver`), engined's supervisor internals imported in bench/common.py
+only, and every documented entry point answers --help. Static checks and short subprocesses:
+nothing runs a benchmark (the quick runs are the `bench` marker's, tests/test_bench_*_quick.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH = REPO_ROOT / "bench"
-MAX_MODULE_LINES = 700
-MAX_CLASS_LINES = 300
 # every `python -m bench.NAME` that the READMEs, .ci/run and the tests name, with --help
 ENTRY_POINTS = ("core", "compare", "gateway", "llm", "loop", "recovery", "vllm")
 
@@ -30,58 +28,6 @@ def modules() -> dict[str, Path]:
         parts = path.relative_to(REPO_ROOT).with_suffix("").parts
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
-
-
-def imported(path: Path, names: set[str]) -> set[str]:
-    """The bench modules `path` imports, at any depth of its code (`from bench.x import y` counts
-    bench.x.y when that is a module, else bench.x)."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name in names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            for a in node.names:
-                sub = f"{node.module}.{a.name}"
-                if sub in names:
-                    out.add(sub)
-                elif node.module in names:
-                    out.add(node.module)
-    return out
-
-
-def test_no_module_or_class_too_long() -> None:
-    too_long = []
-    for name, path in modules().items():
-        text = path.read_text()
-        if len(text.splitlines()) > MAX_MODULE_LINES:
-            too_long.append(f"{name}: {len(text.splitlines())} lines")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ClassDef):
-                length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
-                if length > MAX_CLASS_LINES:
-                    too_long.append(f"{name}.{node.name}: {length} lines")
-    assert not too_long, too_long
-
-
-def test_no_import_cycle() -> None:
-    mods = modules()
-    names = set(mods)
-    graph = {name: imported(path, names) - {name} for name, path in mods.items()}
-    state: dict[str, str] = {}
-
-    def visit(name: str, stack: list[str]) -> None:
-        state[name] = "open"
-        for dep in sorted(graph[name]):
-            if state.get(dep) == "open":
-                cycle = stack[stack.index(dep):] + [dep]
-                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
-            if dep not in state:
-                visit(dep, [*stack, dep])
-        state[name] = "done"
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [name])
 
 
 def test_driver_and_supervisor_imports() -> None:
