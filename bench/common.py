@@ -16,6 +16,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -353,6 +354,9 @@ class BenchDaemon(Daemon):
 
     log_lines = 20  # lines of each log in an error message
     log_engines: tuple[str, ...] = ()  # engines whose own log tails go into error messages
+    # how long `start` and `wait_ready` wait by default, and how often they look
+    start_timeout_s, start_interval_s = 120.0, 0.05
+    ready_timeout_s, ready_interval_s = 30.0, 0.005
 
     def __init__(self, prefix: str, tracker: Tracker, engines: list[dict[str, Any]],
                  http: str = "off", status_timeout_s: float = 5.0,
@@ -374,8 +378,11 @@ class BenchDaemon(Daemon):
     def status_times(self) -> list[float]:
         return self.status_conn.times
 
-    def start(self, timeout_s: float = 120.0, interval_s: float = 0.05) -> None:
+    def start(self, timeout_s: float | None = None, interval_s: float | None = None) -> None:
         """Run it; wait until all its engines are READY (BenchError with the log tail if not)."""
+        timeout_s = self.start_timeout_s if timeout_s is None else timeout_s
+        interval_s = self.start_interval_s if interval_s is None else interval_s
+
         def all_ready() -> bool:
             self.check_alive()
             engines = self.status()["engines"]
@@ -396,6 +403,16 @@ class BenchDaemon(Daemon):
         except (AssertionError, BenchError) as exc:
             raise BenchError(f"{exc}\n{self.log_tail()}") from None
 
+    def child_load_s(self, incarnation: int, name: str | None = None) -> float | None:
+        """The child's own import -> warm-up time, from its `[ready]` log line."""
+        name = name or self.watched
+        line = re.compile(rf"^\[ready\] {re.escape(name)} incarnation (\d+) loaded in "
+                          rf"([0-9.]+)s", re.M)
+        for inc, load_s in line.findall(self.log_text(name)):
+            if int(inc) == incarnation:
+                return float(load_s)
+        return None
+
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             raise BenchError(f"engined exited with {self.proc.returncode}")
@@ -412,10 +429,12 @@ class BenchDaemon(Daemon):
         name = name or self.watched
         return next(e for e in self.status()["engines"] if e["name"] == name)
 
-    def wait_ready(self, min_incarnation: int, timeout_s: float = 30.0,
-                   interval_s: float = 0.005, name: str | None = None) -> dict:
+    def wait_ready(self, min_incarnation: int, timeout_s: float | None = None,
+                   interval_s: float | None = None, name: str | None = None) -> dict:
         """`name` READY with incarnation >= min_incarnation (BenchError if FAILED or late)."""
         name = name or self.watched
+        timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
+        interval_s = self.ready_interval_s if interval_s is None else interval_s
 
         def ready() -> dict | None:
             self.check_alive()

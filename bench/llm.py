@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -78,7 +77,6 @@ with torch.inference_mode():
 print(imported, loaded, time.time(), flush=True)
 """
 
-_READY_LOG_RE = re.compile(r"^\[ready\] tiny-0 incarnation (\d+) loaded in ([0-9.]+)s", re.M)
 
 
 # --- the daemon -----------------------------------------------------------------------------------
@@ -89,27 +87,14 @@ class Daemon(BenchDaemon):
 
     log_lines = 30
     log_engines = ("tiny-0",)
+    start_timeout_s, start_interval_s = 300.0, 0.02
+    ready_timeout_s, ready_interval_s = 120.0, 0.02
 
     def __init__(self, cache: Path, tracker: Tracker) -> None:
         super().__init__("el", tracker, [{
             "name": "tiny", "replicas": 1, "model": "builtin:tiny-llama", "max_batch_size": 8,
             "threads": 1, "launcher": "exec", "env": {"ENGINED_CACHE_DIR": str(cache)}}],
             status_timeout_s=10.0)
-        self.engine_log = self.log_path("tiny-0")
-
-    def start(self, timeout_s: float = 300.0, interval_s: float = 0.02) -> None:
-        super().start(timeout_s, interval_s)
-
-    def wait_ready(self, min_incarnation: int, timeout_s: float = 120.0,
-                   interval_s: float = 0.02, name: str | None = None) -> dict[str, Any]:
-        return super().wait_ready(min_incarnation, timeout_s, interval_s, name)
-
-    def child_load_s(self, incarnation: int) -> float | None:
-        """The child's own import → warm-up time, from its `[ready]` log line."""
-        for inc, load_s in _READY_LOG_RE.findall(self.engine_log.read_text(errors="replace")):
-            if int(inc) == incarnation:
-                return float(load_s)
-        return None
 
 
 # --- 1. crash → READY and the cold-start floor ----------------------------------------------------

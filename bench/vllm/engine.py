@@ -9,7 +9,6 @@ The vLLM interpreter: --vllm-python, else $ENGINED_VLLM_PYTHON, else <repo>/.ven
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,6 @@ SERVE_MODULE = "vllm.entrypoints.openai.api_server"
 SERVE_ARGS = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "8",
               "--disable-log-stats"]
 
-_READY_LOG_RE = re.compile(rf"^\[ready\] {ENGINE} incarnation (\d+) loaded in ([0-9.]+)s", re.M)
 
 
 # --- environment ----------------------------------------------------------------------------------
@@ -89,24 +87,11 @@ class BackendDaemon(BenchDaemon):
 
     log_lines = 30
     log_engines = (ENGINE,)
+    start_timeout_s, start_interval_s = START_TIMEOUT_S, 0.05
+    ready_timeout_s, ready_interval_s = START_TIMEOUT_S, 0.02
 
     def __init__(self, spec: dict[str, Any], tracker: Tracker) -> None:
         self.gateway_port, self.http_port = free_port(), free_port()
         super().__init__("ev", tracker, [spec], http=f"127.0.0.1:{self.http_port}",
                          status_timeout_s=10.0,
                          supervisor={"gateway": f"127.0.0.1:{self.gateway_port}"})
-        self.engine_log = self.log_path(ENGINE)
-
-    def start(self, timeout_s: float = START_TIMEOUT_S, interval_s: float = 0.05) -> None:
-        super().start(timeout_s, interval_s)
-
-    def wait_ready(self, min_incarnation: int, timeout_s: float = START_TIMEOUT_S,
-                   interval_s: float = 0.02, name: str | None = None) -> dict[str, Any]:
-        return super().wait_ready(min_incarnation, timeout_s, interval_s, name)
-
-    def child_load_s(self, incarnation: int) -> float | None:
-        """The child's own import → warm-up time, from its `[ready]` log line."""
-        for inc, load_s in _READY_LOG_RE.findall(self.engine_log.read_text(errors="replace")):
-            if int(inc) == incarnation:
-                return float(load_s)
-        return None
