@@ -15,7 +15,7 @@ import random
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import yaml
 
@@ -30,7 +30,7 @@ from engined.supervisor.replica import AddressBook, Replica, ReplicaDeps
 from engined.supervisor.routing import Router
 from engined.supervisor.spec import EngineSpec, FleetSpec, parse_fleet
 from engined.supervisor.state import EngineState
-from lifecycle.autojump import VirtualClock
+from lifecycle.autojump import VirtualClock, run
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0
@@ -234,6 +234,19 @@ class World:
 
     def states_of(self, name: str) -> list[str]:
         return [t.new.value for t in self.transitions if t.name == name]
+
+
+def scenario(tmp_path: Path, engines: list[dict[str, Any]],
+             body: Callable[[World], Awaitable[None]], **kwargs: Any) -> None:
+    """Run `body` on a World of `engines` (World.build's keyword arguments in `kwargs`) on a
+    loop whose clock jumps, and close the world whatever happens."""
+    async def main() -> None:
+        world = await World.build(tmp_path, engines, **kwargs)
+        try:
+            await body(world)
+        finally:
+            await world.close()
+    run(main)
 
 
 def make_spec(engines: list[dict[str, Any]], supervisor: dict[str, Any] | None = None,

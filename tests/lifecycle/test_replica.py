@@ -7,31 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from pathlib import Path
-from typing import Any, Awaitable, Callable
 
 import pytest
 
 from engined.engine import protocol as proto
 from engined.supervisor.reload import plan_reload
 from engined.supervisor.state import EngineState as S
-from lifecycle.autojump import run
-from lifecycle.fakes import HEARTBEAT_TIMEOUT_S, Behaviour, World, make_spec
+from lifecycle.fakes import HEARTBEAT_TIMEOUT_S, Behaviour, World, make_spec, scenario
 
 NO_JITTER = {"backoff": {"initial": "1s", "max": "30s", "factor": 2, "jitter": 0,
                          "reset_after": "60s"},
              "start_limit": {"burst": 4, "interval": "120s"}}
 
-
-def scenario(tmp_path: Path, engines: list[dict[str, Any]],
-             body: Callable[[World], Awaitable[None]], **kwargs: Any) -> None:
-    async def main() -> None:
-        world = await World.build(tmp_path, engines, **kwargs)
-        try:
-            await body(world)
-        finally:
-            await world.close()
-    run(main)
 
 
 # --- stop: SIGTERM, stop_timeout, SIGKILL -----------------------------------------------------

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from pathlib import Path
-from typing import Any, Awaitable, Callable
 
 import pytest
 
@@ -19,19 +17,7 @@ from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.ipc import RequestFailed
 from engined.supervisor.routing import NoReplica
 from engined.supervisor.state import EngineState as S
-from lifecycle.autojump import run
-from lifecycle.fakes import HEARTBEAT_INTERVAL_S, World
-
-
-def scenario(tmp_path: Path, engines: list[dict[str, Any]],
-             body: Callable[[World], Awaitable[None]]) -> None:
-    async def main() -> None:
-        world = await World.build(tmp_path, engines)
-        try:
-            await body(world)
-        finally:
-            await world.close()
-    run(main)
+from lifecycle.fakes import HEARTBEAT_INTERVAL_S, World, scenario
 
 
 def test_least_loaded_first_and_round_robin_among_equals(tmp_path):

@@ -12,18 +12,13 @@ from engined.engine import protocol as proto
 from engined.supervisor.state import EngineState as S
 from lifecycle.autojump import run
 from lifecycle.fakes import HEARTBEAT_TIMEOUT_S, World
+from lifecycle.fakes import scenario as run_world
 
 GROUP = {"name": "a", "standby": 1, "backoff": {"initial": "1s", "jitter": 0}}
 
 
 def scenario(tmp_path: Path, body) -> None:
-    async def main() -> None:
-        world = await World.build(tmp_path, [GROUP])
-        try:
-            await body(world)
-        finally:
-            await world.close()
-    run(main)
+    run_world(tmp_path, [GROUP], body)
 
 
 def test_promotion_is_immediate_and_health_counts_serving_replicas_only(tmp_path):

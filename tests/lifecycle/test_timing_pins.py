@@ -21,9 +21,6 @@ import asyncio
 import os
 import signal
 import socket
-from collections.abc import Awaitable, Callable
-from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -31,19 +28,7 @@ from engined.supervisor.routing import NoReplica
 from engined.supervisor.state import EngineState as S
 from engined.supervisor.systemd import Notifier
 from lifecycle.autojump import run
-from lifecycle.fakes import Behaviour, World
-
-
-def scenario(tmp_path: Path, engines: list[dict[str, Any]],
-             body: Callable[[World], Awaitable[None]], **kwargs: Any) -> None:
-    async def main() -> None:
-        world = await World.build(tmp_path, engines, **kwargs)
-        try:
-            await body(world)
-        finally:
-            await world.close()
-    run(main)
-
+from lifecycle.fakes import Behaviour, World, scenario
 
 # --- systemd: the watchdog's cadence ----------------------------------------------------------
 
