@@ -169,7 +169,7 @@ class Direct:
         from engined.engine import protocol as proto
         request = proto.GenerateRequest(uuid.uuid4().hex, prompt=prompt, sampling=proto.Sampling(
             max_tokens=MAX_TOKENS, temperature=0.0), stream=stream)
-        return self.channels.open(engine, 1, request)
+        return self.channels.open((engine, 1), request)
 
     async def stop(self) -> None:
         await asyncio.gather(*(asyncio.to_thread(terminate, p, 10)
