@@ -3,9 +3,12 @@
 It behaves like an inference server engined did not write: it listens on $PORT (or --port),
 answers /health, exposes Prometheus text at /metrics (`fake:num_requests_running`,
 `fake:generation_tokens_total`) and serves an OpenAI-style API (/v1/models, /v1/completions,
-/v1/chat/completions, SSE when `stream`, `return_token_ids` like vLLM). Its tokens are produced
-by a separate *core* process (a grandchild of engined, like vLLM's EngineCore, whose process title
-overwrites its environment): SIGSTOP the core and every request hangs while /health stays 200.
+/v1/chat/completions, SSE when `stream`, `return_token_ids` like vLLM, `n` copies; /tokenize,
+/detokenize, /version, /v1/embeddings, /v1/responses). Every answer carries the body it got
+(`fake_received`, in a stream's first event): what a gateway in front passed on. Its tokens are
+produced by a separate *core* process (a grandchild of engined, like vLLM's EngineCore, whose
+process title overwrites its environment): SIGSTOP the core and every request hangs while
+/health stays 200.
 
 Token ids are bytes. The next token is a function of the whole sequence so far (prompt ids and
 generated ids), so a request replayed elsewhere with its delivered ids appended to the prompt
@@ -31,6 +34,18 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODEL = "fake-model"
+VERSION = "fake-1.0"
+# the rest of an OpenAI/vLLM server's API, answered from the body: token ids are bytes
+OTHER_ROUTES = {
+    "/tokenize": lambda body: {"tokens": list(str(body.get("prompt", "")).encode()),
+                               "count": len(str(body.get("prompt", "")).encode())},
+    "/detokenize": lambda body: {"prompt": bytes(body.get("tokens") or []).decode()},
+    "/v1/embeddings": lambda body: {"object": "list", "model": MODEL, "data": [
+        {"object": "embedding", "index": 0,
+         "embedding": [b / 255 for b in str(body.get("input", "")).encode()[:8]]}]},
+    "/v1/responses": lambda body: {"object": "response", "model": MODEL, "status": "completed",
+                                   "output_text": str(body.get("input", ""))[::-1]},
+}
 
 
 def next_token(sequence: list[int]) -> int:
@@ -119,6 +134,8 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                 self._send(200, text, "text/plain; version=0.0.4")
             elif self.path == "/v1/models":
                 self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+            elif self.path == "/version":
+                self._send(200, {"version": VERSION})
             else:
                 self._send(404, {"error": {"message": f"no route {self.path}"}})
 
@@ -129,11 +146,14 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             except ValueError:
                 self._send(400, {"error": {"message": "bad JSON"}})
                 return
-            if self.path not in ("/v1/completions", "/v1/chat/completions"):
-                self._send(404, {"error": {"message": f"no route {self.path}"}})
-                return
             if body.get("model") != MODEL:
                 self._send(404, {"error": {"message": f"model {body.get('model')!r} not found"}})
+                return
+            if self.path in OTHER_ROUTES:
+                self._send(200, {**OTHER_ROUTES[self.path](body), "fake_received": body})
+                return
+            if self.path not in ("/v1/completions", "/v1/chat/completions"):
+                self._send(404, {"error": {"message": f"no route {self.path}"}})
                 return
             chat = self.path.endswith("chat/completions")
             if chat:
@@ -188,6 +208,8 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                                    "model": MODEL, "choices": [choice]}
                     if with_ids and i == 0:
                         chunk["prompt_token_ids"] = prompt_ids
+                    if i == 0:
+                        chunk["fake_received"] = body
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
             usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(out),
@@ -202,15 +224,18 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                 self.wfile.flush()
                 self.close_connection = True
                 return
-            choice = {"index": 0, "finish_reason": "length"}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            if with_ids:
-                choice["token_ids"] = out
-            answer = {"id": "x", "object": kind, "model": MODEL, "choices": [choice],
-                      "usage": usage}
+            choices = []
+            for index in range(int(body.get("n") or 1)):  # n copies: the oracle is greedy
+                choice: dict = {"index": index, "finish_reason": "length"}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["text"] = text
+                if with_ids:
+                    choice["token_ids"] = out
+                choices.append(choice)
+            answer = {"id": "x", "object": kind, "model": MODEL, "choices": choices,
+                      "usage": usage, "fake_received": body}
             if with_ids:
                 answer["prompt_token_ids"] = prompt_ids
             self._send(200, answer)

@@ -18,12 +18,13 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from engined.supervisor import __version__
 from engined.supervisor.gateway.openai import (
     Answer,
     ApiError,
@@ -32,6 +33,7 @@ from engined.supervisor.gateway.openai import (
     parse_chat,
     parse_completion,
 )
+from engined.supervisor.gateway.proxy import Proxy
 from engined.supervisor.gateway.relay import Done, Piece, Relay
 from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.ipc import EngineChannels
@@ -100,7 +102,9 @@ class Gateway:
                  api_key: ApiKey, clock: Callable[[], float] = time.monotonic) -> None:
         self.router, self.api_key, self.clock = router, api_key, clock
         self.stats = GatewayStats()
-        self.relay = Relay(router, channels, upstream, clock, on_move=self._moved)
+        self.relay = Relay(router, channels, clock, on_move=self._moved)
+        self.proxy = Proxy(router, upstream, clock, on_move=self._moved,
+                           on_first=lambda model, s: self.stats.observe(self.stats.ttft, model, s))
         self.active = 0  # requests in flight (shutdown drains them)
         self._idle = asyncio.Event()
         self._idle.set()
@@ -114,6 +118,11 @@ class Gateway:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_get("/version", self.version)
+        app.router.add_post("/tokenize", self.by_model)
+        app.router.add_post("/detokenize", self.by_model)
+        app.router.add_route("*", "/v1/{tail:.*}", self.by_model)  # the rest of a server's API
         return app
 
     async def drained(self, timeout_s: float) -> bool:
@@ -159,41 +168,96 @@ class Gateway:
                  "root": group} for name, group in sorted(self.router.models().items())]
         return web.json_response({"object": "list", "data": data})
 
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        group = self._group_of(name)
+        return web.json_response({"id": name, "object": "model", "created": int(time.time()),
+                                  "owned_by": "engined", "root": group})
+
+    async def version(self, request: web.Request) -> web.StreamResponse:
+        """A vLLM server's version when the gateway serves one, else engined's."""
+        groups = sorted({g for g in self.router.models().values()
+                         if self.router.spec_of(g).openai == "vllm"})
+        if not groups:
+            return web.json_response({"version": __version__, "engined": __version__})
+        return await self._serve(request, None, groups[0], lambda deadline, limit:
+                                 self.proxy.forward(request, "/version", None, None, groups[0],
+                                                    deadline, limit))
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, parse_completion(await _body(request)))
+        return await self._completion(request, "/v1/completions", parse_completion)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, parse_chat(await _body(request)))
+        return await self._completion(request, "/v1/chat/completions", parse_chat)
 
-    async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
-        rid = request["request_id"]
+    async def _completion(self, request: web.Request, path: str,
+                          parse: Callable[[dict[str, Any]], Job]) -> web.StreamResponse:
+        body = await _body(request)
+        model, group = self._model_group(body)
+        if self._proxied(group):  # a command engine: its own server reads the body
+            return await self._serve(request, model, group, lambda deadline, limit:
+                                     self.proxy.forward(request, path, body, model, group,
+                                                        deadline, limit))
+        job = parse(body)
+        return await self._serve(request, model, group, lambda deadline, limit:
+                                 self._relayed(request, job, group, deadline, limit))
+
+    async def by_model(self, request: web.Request) -> web.StreamResponse:
+        """Any other route of a command engine's server, for the model the body names."""
+        path = request.path
+        body = await _body(request) if request.method == "POST" else None
+        if body is None:
+            raise ApiError(404, f"{request.method} {path} is not served here (a request that "
+                                f"names its model in a JSON body is passed to that model's "
+                                f"server)", code="not_found")
+        model, group = self._model_group(body)
+        if not self._proxied(group):
+            raise ApiError(404, f"{path} is not served for model '{model}' (engined's own "
+                                f"engines answer /v1/completions and /v1/chat/completions)",
+                           code="not_found")
+        return await self._serve(request, model, group, lambda deadline, limit:
+                                 self.proxy.forward(request, path, body, model, group,
+                                                    deadline, limit))
+
+    def _model_group(self, body: dict[str, Any]) -> tuple[str, str]:
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "'model' is required: one of GET /v1/models", param="model")
+        return model, self._group_of(model)
+
+    def _group_of(self, model: str) -> str:
         try:
-            group = self.router.group_of(job.model)
+            return self.router.group_of(model)
         except UnknownModel as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+
+    def _proxied(self, group: str) -> bool:
+        return self.router.spec_of(group).is_command
+
+    async def _serve(self, request: web.Request, model: str | None, group: str,
+                     run: Callable[[float, int], Awaitable[tuple[str, web.StreamResponse]]]
+                     ) -> web.StreamResponse:
+        """Admission, accounting and the log line of one request; `run(deadline, limit)` answers
+        it."""
+        rid, label = request["request_id"], model or group
         started = self.clock()
         try:
             self.router.admit(group)
         except QueueFull as exc:
-            self.stats.requests[(job.model, "rejected")] += 1
+            self.stats.requests[(label, "rejected")] += 1
             raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
         except Closing as exc:
-            self.stats.requests[(job.model, "rejected")] += 1
+            self.stats.requests[(label, "rejected")] += 1
             raise ApiError(503, str(exc), kind="server_error",
                            headers={"Retry-After": "5"}) from None
         self.active += 1
         self._idle.clear()
         spec = self.router.spec_of(group)
-        run = self.relay.run(job, group, rid, started + spec.request_timeout_s,
-                             spec.migration_limit)
         outcome = "error"
         try:
-            answer = Answer(job, rid)
-            if job.stream:
-                outcome, response = await self._stream(request, job, answer, run, started)
-            else:
-                outcome, response = await self._whole(job, answer, run, started)
+            outcome, response = await run(started + spec.request_timeout_s,
+                                          spec.migration_limit)
             return response
         except ApiError as exc:
             outcome = _outcome(exc)
@@ -202,15 +266,27 @@ class Gateway:
             outcome = "client_gone"  # the client hung up (its handler was cancelled)
             raise
         finally:
-            await run.aclose()  # closes the engine stream: an unfinished request is aborted
             self.router.leave(group)
             self.active -= 1
             if not self.active:
                 self._idle.set()
-            self.stats.requests[(job.model, outcome)] += 1
-            self.stats.observe(self.stats.latency, job.model, self.clock() - started)
-            log.info("[gateway] %s %s %s %s in %.3fs", rid, job.kind, job.model, outcome,
+            self.stats.requests[(label, outcome)] += 1
+            self.stats.observe(self.stats.latency, label, self.clock() - started)
+            log.info("[gateway] %s %s %s %s in %.3fs", rid, request.path, label, outcome,
                      self.clock() - started)
+
+    async def _relayed(self, request: web.Request, job: Job, group: str, deadline: float,
+                       limit: int) -> tuple[str, web.StreamResponse]:
+        """A request to engined's own engines, through the relay (it survives their deaths)."""
+        started = self.clock()
+        run = self.relay.run(job, group, request["request_id"], deadline, limit)
+        try:
+            answer = Answer(job, request["request_id"])
+            if job.stream:
+                return await self._stream(request, job, answer, run, started)
+            return await self._whole(job, answer, run, started)
+        finally:
+            await run.aclose()  # closes the engine stream: an unfinished request is aborted
 
     async def _whole(self, job: Job, answer: Answer, run: Any,
                      started: float) -> tuple[str, web.Response]:

@@ -16,11 +16,9 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from engined.engine import protocol as proto
 from engined.supervisor.gateway.openai import ApiError, Job, Usage
-from engined.supervisor.gateway.upstream import Upstream, UpstreamStream
 from engined.supervisor.incarnation import Incarnation
 from engined.supervisor.ipc import (
     EngineChannels,
@@ -29,7 +27,6 @@ from engined.supervisor.ipc import (
     RequestStream,
     new_request_id,
 )
-from engined.supervisor.liveness import Kind
 from engined.supervisor.routing import Lease, NoReplica, Router
 
 log = logging.getLogger("engined.gateway")
@@ -51,32 +48,19 @@ class Done:
     moves: int
 
 
-Stream = RequestStream | UpstreamStream
-Opener = Callable[[Lease, Job, str, list[int], dict[str, Any]], Stream]
-
-
 class Relay:
-    def __init__(self, router: Router, channels: EngineChannels, upstream: Upstream,
-                 clock: Callable[[], float],
-                 on_move: Callable[[str], None] = lambda model: None) -> None:
-        self.router, self.channels, self.upstream, self.clock = router, channels, upstream, clock
-        self.on_move = on_move
-        # how a request reaches each kind of engine: engined's own over ZeroMQ, a command
-        # engine's own OpenAI API over HTTP
-        self.openers: dict[Kind, Opener] = {Kind.ENGINE: self._open_engine,
-                                            Kind.COMMAND: upstream.open}
+    """engined's own engines' requests (command engines' go through supervisor.gateway.proxy)."""
 
-    def _open_engine(self, lease: Lease, job: Job, request_id: str, delivered: list[int],
-                     memo: dict[str, Any]) -> RequestStream:
-        return self.channels.open(lease.incarnation.address, job.request(request_id, delivered),
-                                  wake=self.router.peers(lease))
+    def __init__(self, router: Router, channels: EngineChannels, clock: Callable[[], float],
+                 on_move: Callable[[str], None] = lambda model: None) -> None:
+        self.router, self.channels, self.clock = router, channels, clock
+        self.on_move = on_move
 
     async def run(self, job: Job, group: str, request_id: str, deadline: float,
                   limit: int) -> AsyncGenerator[Piece | Done, None]:
         """Pieces as tokens come, then Done; raises ApiError (400 for a request the engine
         rejects, 503 past the deadline or the migration limit)."""
         delivered: list[int] = []
-        memo: dict[str, Any] = {}  # what an upstream server told about the original prompt
         lost_on: set[Incarnation] = set()  # never sent back to an incarnation it was lost on
         moves = 0
         while True:
@@ -87,8 +71,9 @@ class Relay:
             try:
                 engine_id = new_request_id()  # a fresh id per attempt: never mixed up
                 try:
-                    stream = self.openers[lease.incarnation.kind](lease, job, engine_id,
-                                                                  list(delivered), memo)
+                    stream = self.channels.open(lease.incarnation.address,
+                                                job.request(engine_id, list(delivered)),
+                                                wake=self.router.peers(lease))
                 except RequestFailed as exc:
                     lost: str = str(exc)
                 else:
@@ -138,7 +123,7 @@ class Relay:
                            headers={"Retry-After": "5"}) from None
 
 
-async def _until(stream: Stream, deadline: float,
+async def _until(stream: RequestStream, deadline: float,
                  clock: Callable[[], float]
                  ) -> AsyncIterator[proto.TokenChunk | proto.GenerateResult]:
     """The stream's items, ApiError 503 at the request's deadline."""

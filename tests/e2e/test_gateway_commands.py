@@ -179,6 +179,103 @@ def test_a_rolling_restart_waits_for_a_command_engines_gateway_requests(gateway)
     assert after["pid"] != old and after["restarts_by_reason"] == {"manual": 1}, after
     log = d.stderr_text()
     assert "moving it" not in log
-    finished = log.index(" completion fake ok in ")
+    finished = log.index(" /v1/completions fake ok in ")
     stopped = log.index(f"[stop] fake-0 pid {old}: SIGTERM")
     assert finished < stopped, log[finished - 200:stopped + 200]
+
+
+# --- everything the server serves, passed through ---------------------------------------------
+
+def test_the_clients_body_reaches_the_server_as_it_came_and_its_answer_comes_back(gateway):
+    """The gateway reads only what it needs: every other field (vLLM's extras, n, logprobs)
+    reaches the server unchanged; only the model name is the server's own, and the answer comes
+    back with the client's name and whatever else the server put in it."""
+    d, client = gateway(fleet())
+    extras = {"top_k": 3, "min_p": 0.1, "repetition_penalty": 1.0, "min_tokens": 2,
+              "ignore_eos": True, "stop_token_ids": [0], "logit_bias": {"97": 5}}
+    done = client.completions.create(model="fake", prompt=PROMPT, max_tokens=4, n=2,
+                                     logprobs=2, presence_penalty=0.5, extra_body=extras)
+    got = done.model_extra["fake_received"]
+    assert got == {"model": "fake-model", "prompt": PROMPT, "max_tokens": 4, "n": 2,
+                   "logprobs": 2, "presence_penalty": 0.5, **extras}, got
+    assert done.model == "fake" and [c.index for c in done.choices] == [0, 1]
+    assert {c.text for c in done.choices} == {expected(list(PROMPT.encode()), 4)}
+    chat = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        response_format={"type": "json_object"}, extra_body={"top_k": 1})
+    got = chat.model_extra["fake_received"]
+    assert got["tools"][0]["function"]["name"] == "f" and got["top_k"] == 1
+    assert got["response_format"] == {"type": "json_object"} and chat.model == "fake"
+
+
+def test_the_servers_errors_reach_the_client_as_it_sent_them(gateway):
+    d, client = gateway(fleet())
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="fake", prompt="x", max_tokens=-1)
+    assert err.value.status_code == 400 and "max_tokens must be at least 1" in str(err.value)
+    assert d.engine("fake-0")["restarts"] == d.engine("fake-1")["restarts"] == 0
+
+
+def test_the_rest_of_the_servers_api_is_reachable_through_the_gateway(gateway):
+    d, client = gateway(fleet())
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    assert _http("POST", f"{base}/tokenize", {"model": "fake", "prompt": "ab"}) == (
+        200, {"tokens": [97, 98], "count": 2,
+              "fake_received": {"model": "fake-model", "prompt": "ab"}})
+    code, body = _http("POST", f"{base}/detokenize", {"model": "fake", "tokens": [104, 105]})
+    assert (code, body["prompt"]) == (200, "hi")
+    assert _http("GET", f"{base}/version") == (200, {"version": "fake-1.0"})
+    emb = client.embeddings.create(model="fake", input="ab")
+    assert emb.model == "fake" and emb.data[0].embedding == [97 / 255, 98 / 255]
+    code, body = _http("POST", f"{base}/v1/responses", {"model": "fake", "input": "abc"})
+    assert (code, body["output_text"], body["model"]) == (200, "cba", "fake")
+    assert client.models.retrieve("fake").id == "fake"
+    code, body = _http("POST", f"{base}/v1/nothing", {"model": "fake"})
+    assert code == 404 and "no route /v1/nothing" in body["error"]["message"]  # the server's
+
+
+def test_a_request_that_cannot_move_mid_stream_is_resent_before_its_first_byte(gateway):
+    """n = 2 cannot continue on another replica, but a whole answer that was not sent yet is
+    simply sent again; a stream of it that already began gets an error event naming the field."""
+    d, client = gateway(fleet(tick="0.03"))
+    import threading as _threading
+
+    victim: list[str] = []
+
+    def kill_the_server() -> None:
+        victim.append(serving(d))
+        os.kill(d.engine(victim[0])["pid"], signal.SIGKILL)
+
+    killer = _threading.Thread(target=kill_the_server)
+    killer.start()
+    done = client.completions.create(model="fake", prompt=PROMPT, max_tokens=60, n=2)
+    killer.join(timeout=60)
+    assert [c.text for c in done.choices] == [expected(list(PROMPT.encode()), 60)] * 2
+    d.wait_for(lambda: d.engine(victim[0])["restarts"] == 1, 30, f"{victim[0]} restarted")
+    assert "moving it" in d.stderr_text()
+
+    chunks, victim2 = [], None
+    with pytest.raises(openai.APIError) as err:
+        for chunk in client.completions.create(model="fake", prompt=PROMPT, max_tokens=80,
+                                               n=2, stream=True):
+            chunks.append(chunk)
+            if victim2 is None and len(chunks) >= 3:
+                victim2 = serving(d)
+                os.kill(d.engine(victim2)["pid"], signal.SIGKILL)
+    assert "cannot continue elsewhere: 'n' is set" in str(err.value), err.value
+
+
+def _http(method: str, url: str, body: object = None) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

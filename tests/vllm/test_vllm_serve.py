@@ -38,7 +38,8 @@ def serve_engine(python: str, model: Path) -> dict[str, Any]:
         "name": "served", "replicas": 1,
         "command": [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                     "--host", "127.0.0.1", "--port", "{port}", "--enforce-eager",
-                    "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "1024"],
+                    "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "1024",
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
         "port": "auto", "progress": "vllm",
         "probe": {"path": "/health", "interval": "1s", "timeout": "2s", "failures": 3},
         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
@@ -97,6 +98,95 @@ def test_ready_through_health_and_served_through_the_gateway(served: Daemon):
     assert chunks[-1].usage.completion_tokens == 6
     rss = served.status()["engines"][0]["rss_bytes"]
     assert rss > psutil.Process(e["pid"]).memory_info().rss  # the whole tree is counted
+
+
+# Greedy (or seeded) requests sent to the server itself and through the gateway: the same answers
+# (tokens, text, logprobs) and the same fields. (route, body); `model` is filled in per side.
+CONFORMANCE: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/completions", {"prompt": "hello there", "max_tokens": 6, "temperature": 0,
+                         "logprobs": 2, "return_token_ids": True}),
+    ("/v1/completions", {"prompt": "hello", "max_tokens": 4, "temperature": 0, "echo": True,
+                         "logprobs": 1}),
+    ("/v1/completions", {"prompt": ["one", "two"], "max_tokens": 3, "temperature": 0}),
+    ("/v1/completions", {"prompt": "abc", "max_tokens": 5, "temperature": 0.8, "n": 2,
+                         "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2,
+                         "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 5,
+                         "ignore_eos": True, "stop_token_ids": [3], "seed": 7,
+                         "logit_bias": {"10": -100}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 5, "temperature": 0, "logprobs": True,
+                              "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a json object"}],
+                              "max_tokens": 12, "temperature": 0,
+                              "response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "weather?"}],
+                              "max_tokens": 6, "temperature": 0, "tool_choice": "auto",
+                              "tools": [{"type": "function", "function": {
+                                  "name": "get_weather", "parameters": {
+                                      "type": "object",
+                                      "properties": {"city": {"type": "string"}}}}}]}),
+    ("/tokenize", {"prompt": "hello world"}),
+    ("/detokenize", {"tokens": [104, 101, 108, 108, 111]}),
+]
+_VOLATILE = ("id", "created", "model", "system_fingerprint")
+
+
+def _same(direct: Any, gateway: Any, where: str = "") -> None:
+    """Equal but for ids, timestamps and the model's name; floats within 1e-4."""
+    if isinstance(direct, dict):
+        assert isinstance(gateway, dict), where
+        keys = set(direct) - set(_VOLATILE)
+        assert keys == set(gateway) - set(_VOLATILE), (where, keys ^ set(gateway))
+        for key in keys:
+            _same(direct[key], gateway[key], f"{where}.{key}")
+    elif isinstance(direct, list):
+        assert isinstance(gateway, list) and len(direct) == len(gateway), where
+        for i, (a, b) in enumerate(zip(direct, gateway)):
+            _same(a, b, f"{where}[{i}]")
+    elif isinstance(direct, float):
+        assert gateway == pytest.approx(direct, abs=1e-4), where
+    else:
+        assert direct == gateway, (where, direct, gateway)
+
+
+def test_the_gateway_answers_as_the_server_does(served: Daemon):
+    """What a client sends reaches `vllm serve` as it came, and its answers come back as vLLM
+    sent them: the same greedy tokens, text, logprobs and fields, whatever vLLM supports (echo,
+    batches of prompts, n, penalties, vLLM's own sampling extras, chat logprobs, /tokenize)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    e = served.wait_state("served-0", "READY", READY_TIMEOUT_S)
+
+    def post(port: int, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                         data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    upstream_name = json.loads(urllib.request.urlopen(
+        f"http://127.0.0.1:{e['port']}/v1/models", timeout=30).read())["data"][0]["id"]
+    for path, body in CONFORMANCE:
+        direct = post(e["port"], path, {**body, "model": upstream_name})
+        gateway = post(served.gateway_port, path, {**body, "model": "served"})  # type: ignore
+        assert direct[0] == gateway[0] == 200, (path, body, direct, gateway)
+        _same(direct[1], gateway[1], path)
+        if "model" in gateway[1]:
+            assert gateway[1]["model"] == "served"
+    version = json.loads(urllib.request.urlopen(
+        f"http://127.0.0.1:{served.gateway_port}/version", timeout=30).read())  # type: ignore
+    assert version == json.loads(urllib.request.urlopen(
+        f"http://127.0.0.1:{e['port']}/version", timeout=30).read())
+    bad = {"prompt": "x", "max_tokens": 5, "temperature": -3}  # vLLM's own validation
+    direct, gateway = (post(e["port"], "/v1/completions", {**bad, "model": upstream_name}),
+                       post(served.gateway_port, "/v1/completions",  # type: ignore
+                            {**bad, "model": "served"}))
+    assert direct[0] == gateway[0] == 400 and direct[1] == gateway[1], (direct, gateway)
 
 
 def test_sigkill_of_its_engine_core_restarts_the_server(served: Daemon):
