@@ -100,14 +100,26 @@ FINISH_ERROR = "error"  # see GenerateResult.error
 
 
 class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Sampling parameters. temperature 0 is greedy (deterministic); a seed makes a sampled
-    request reproducible on one engine (not after it moved to another: see `resume`)."""
+    """Sampling parameters, with vLLM's names and meanings. temperature 0 is greedy
+    (deterministic); a seed makes a sampled request reproducible on one engine (not after it
+    moved to another: see `resume`). A resumed request counts its resumed tokens toward
+    max_tokens and min_tokens, and as output for the presence and frequency penalties where the
+    backend can (transformers; vLLM counts only what it generated itself)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = []  # stop strings; the text ends before the first one
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and output (1: off)
+    presence_penalty: float = 0.0  # over the output
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    min_tokens: int = 0  # no end of sequence (or stop token) before this many tokens
+    ignore_eos: bool = False  # go on past the end-of-sequence token
+    stop_token_ids: list[int] = []  # generating one of these ends the request (finish: stop)
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -71,8 +71,7 @@ class RequestTable:
             if remaining < 1:
                 raise RequestRejected(f"resume carries {len(msg.resume)} tokens: nothing left "
                                       f"of max_tokens {sampling.max_tokens}")
-            if not 0 <= sampling.temperature <= 100 or not 0 < sampling.top_p <= 1:
-                raise RequestRejected("temperature must be in [0, 100] and top_p in (0, 1]")
+            _check_sampling(sampling)
             resume_text = self.backend.detokenize(list(msg.resume)) if msg.resume else ""
             entry = _Active(msg, now, len(prompt_ids), len(msg.resume), resume_text,
                             resume_len=len(resume_text), sent_text=len(resume_text))
@@ -202,3 +201,24 @@ def _may_begin_stop(text: str, stops: list[str]) -> bool:
     """Whether the end of `text` is a proper prefix of a stop string (hold it back: the next
     token may complete the stop)."""
     return any(text.endswith(s[:k]) for s in stops for k in range(1, len(s)))
+
+
+def _check_sampling(s: proto.Sampling) -> None:
+    """What no backend can do anything sensible with: RequestRejected naming the field."""
+    checks = [
+        (0 <= s.temperature <= 100, "temperature must be in [0, 100]"),
+        (0 < s.top_p <= 1, "top_p must be in (0, 1]"),
+        (s.top_k >= -1, "top_k must be 0 or -1 (off), or at least 1"),
+        (0 <= s.min_p <= 1, "min_p must be in [0, 1]"),
+        (0 < s.repetition_penalty <= 100, "repetition_penalty must be in (0, 100]"),
+        (-2 <= s.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+        (-2 <= s.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+        (0 <= s.min_tokens <= s.max_tokens, "min_tokens must be in [0, max_tokens]"),
+        (all(-100 <= b <= 100 for b in s.logit_bias.values()),
+         "logit_bias values must be in [-100, 100]"),
+        (all(t >= 0 for t in [*s.logit_bias, *s.stop_token_ids]),
+         "token ids must be non-negative"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            raise RequestRejected(why)

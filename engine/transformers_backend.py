@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import msgspec
+
 from engined.engine.backend import (
     Admission,
     Delta,
@@ -117,8 +119,10 @@ class _Row:
     done: bool = False
 
 
-def _sampling_key(sampling: Sampling) -> tuple[float, float, int | None]:
-    return (sampling.temperature, sampling.top_p, sampling.seed)
+def _sampling_key(sampling: Sampling) -> Sampling:
+    """What one `generate` call applies to its whole batch: everything but the budget and the
+    stop strings (per row: the hook and the core handle them)."""
+    return msgspec.structs.replace(sampling, max_tokens=0, stop=[])
 
 
 class HFBackend:
@@ -218,20 +222,32 @@ class HFBackend:
         mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids)
                              for r in batch], device=self.device)
         sampling = batch[0].sampling
-        kwargs: dict[str, Any] = {"do_sample": sampling.temperature > 0}
+        # HF's own end-of-sequence handling is off (eos_token_id=None): the hook ends each row
+        # (eos unless ignore_eos, a stop token id, its max_tokens); top_k 0 is off, as vLLM's
+        kwargs: dict[str, Any] = {"do_sample": sampling.temperature > 0, "top_k": sampling.top_k,
+                                  "eos_token_id": None}
         if sampling.temperature > 0:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p)
+            if sampling.min_p:
+                kwargs["min_p"] = sampling.min_p
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
-        hook = _StreamHook(self, [self.rows[r.id] for r in batch], width, emit, on_token)
+        if sampling.repetition_penalty != 1.0:
+            kwargs["repetition_penalty"] = sampling.repetition_penalty
+        rows = [self.rows[r.id] for r in batch]
+        hook = _StreamHook(self, rows, width, emit, on_token)
         with torch.inference_mode():
             self.model.generate(input_ids=input_ids, attention_mask=mask,
                                 max_new_tokens=max(r.max_tokens for r in batch),
-                                pad_token_id=pad, stopping_criteria=hook.criteria(), **kwargs)
+                                pad_token_id=pad, stopping_criteria=hook.criteria(),
+                                logits_processor=_RowLogits(self, rows, width).processors(),
+                                **kwargs)
 
     def _advance(self, row: _Row, token: int, emit: Emit) -> bool:
         """Row `row` produced `token`; True when it is done."""
-        if token == self.tokenizer.eos_token_id:
+        sampling = row.request.sampling
+        if (token == self.tokenizer.eos_token_id and not sampling.ignore_eos) \
+                or token in sampling.stop_token_ids:
             row.done = True
             emit(Finished(row.request.id, "stop"))
             return True
@@ -280,6 +296,56 @@ def _greedy_sampling() -> Sampling:
     from engined.engine.protocol import Sampling
 
     return Sampling(max_tokens=2)
+
+
+class _RowLogits:
+    """What `generate` has no per-row parameter for, applied row by row: `logit_bias`, the
+    presence and frequency penalties over each row's output (its resumed tokens included: a
+    moved request continues as if it had not moved), and `min_tokens` (no end of sequence nor
+    stop token before it)."""
+
+    def __init__(self, backend: HFBackend, rows: list[_Row], width: int) -> None:
+        self.backend, self.rows, self.width = backend, rows, width
+        sampling = rows[0].request.sampling if rows else None
+        self.active = sampling is not None and bool(
+            sampling.logit_bias or sampling.presence_penalty or sampling.frequency_penalty
+            or any(r.request.sampling.min_tokens > r.request.resumed for r in rows))
+
+    def processors(self) -> Any:
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        if not self.active:
+            return LogitsProcessorList()
+        adjust = self
+
+        class _Adjust(LogitsProcessor):
+            def __call__(self, input_ids: Any, scores: Any) -> Any:
+                return adjust(input_ids, scores)
+
+        return LogitsProcessorList([_Adjust()])
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        torch = self.backend.torch
+        for i, row in enumerate(self.rows):
+            sampling, request = row.request.sampling, row.request
+            for token, bias in sampling.logit_bias.items():
+                if 0 <= token < scores.shape[1]:
+                    scores[i, token] += bias
+            if sampling.presence_penalty or sampling.frequency_penalty:
+                output = input_ids[i, self.width - request.resumed:]
+                if output.numel():
+                    counts = torch.bincount(output, minlength=scores.shape[1])[:scores.shape[1]]
+                    scores[i] -= (sampling.frequency_penalty * counts
+                                  + sampling.presence_penalty * (counts > 0))
+            generated = input_ids.shape[1] - self.width + request.resumed
+            if generated < sampling.min_tokens:
+                ends = [*sampling.stop_token_ids]
+                if not sampling.ignore_eos and self.backend.tokenizer.eos_token_id is not None:
+                    ends.append(self.backend.tokenizer.eos_token_id)
+                for token in ends:
+                    if 0 <= token < scores.shape[1]:
+                        scores[i, token] = -float("inf")
+        return scores
 
 
 class _StreamHook:

@@ -230,9 +230,13 @@ class VllmBackend:
     def add(self, request: Admission) -> None:
         s = request.sampling
         try:
-            params = self._sampling_params(max_tokens=request.max_tokens,
-                                           temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-                                           output_kind=self._delta)
+            params = self._sampling_params(
+                max_tokens=request.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                seed=s.seed, top_k=s.top_k, min_p=s.min_p,
+                repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias) or None,
+                min_tokens=max(0, s.min_tokens - request.resumed), ignore_eos=s.ignore_eos,
+                stop_token_ids=list(s.stop_token_ids) or None, output_kind=self._delta)
             self.engine.add_request(request.id,
                                     self._tokens_prompt(prompt_token_ids=list(request.prompt_ids)),
                                     params)
@@ -263,9 +267,9 @@ class VllmBackend:
             reason = None
             if out.finished:
                 reason = _finish_reason(getattr(completion, "finish_reason", None))
-                # Ended by eos (stop_reason None) or by one of the model's stop token ids (an
-                # int; engined passes none itself): vLLM counts that token among the ids, the
-                # text does not have it, nor does HF's backend. Ids and text travel together.
+                # Ended by eos (stop_reason None) or by a stop token id (an int: the model's or
+                # the request's stop_token_ids): vLLM counts that token among the ids, the text
+                # does not have it, nor does HF's backend. Ids and text travel together.
                 if reason == "stop" and ids and not isinstance(
                         getattr(completion, "stop_reason", None), str):
                     ids.pop()

@@ -79,12 +79,82 @@ def messages(value: Any) -> list[proto.ChatMessage]:
     return out
 
 
+# vLLM's sampling fields beyond OpenAI's, with its names (the engine protocol's Sampling)
+SAMPLING_FIELDS = ("top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "logit_bias", "min_tokens", "ignore_eos",
+                   "stop_token_ids")
+MAX_BIASED_TOKENS = 300  # OpenAI's limit for logit_bias
+MAX_STOP_TOKEN_IDS = 64
+
+
 def sampling(body: dict[str, Any], max_tokens_key: str, max_tokens_default: int,
              temperature_default: float) -> proto.Sampling:
+    budget = max_tokens(body, max_tokens_key, max_tokens_default)
+    least = integer(body, "min_tokens", 0, 0, MAX_TOKENS_LIMIT)
+    if least > budget:
+        raise BadField("min_tokens", f"'min_tokens' ({least}) must not exceed "
+                                     f"'{max_tokens_key}' ({budget})")
     return proto.Sampling(
-        max_tokens=max_tokens(body, max_tokens_key, max_tokens_default),
+        max_tokens=budget,
         temperature=number(body, "temperature", temperature_default, 0.0, 2.0),
-        top_p=number(body, "top_p", 1.0, 1e-9, 1.0), seed=seed(body), stop=stop(body))
+        top_p=number(body, "top_p", 1.0, 1e-9, 1.0), seed=seed(body), stop=stop(body),
+        top_k=top_k(body), min_p=number(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=number(body, "repetition_penalty", 1.0, 1e-9, 100.0),
+        presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=logit_bias(body), min_tokens=least, ignore_eos=flag(body, "ignore_eos"),
+        stop_token_ids=token_ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS))
+
+
+def integer(body: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadField(key, f"'{key}' must be an integer in [{low}, {high}]")
+    return value
+
+
+def top_k(body: dict[str, Any]) -> int:
+    value = integer(body, "top_k", 0, -1, MAX_TOKENS_LIMIT)
+    return 0 if value == -1 else value  # -1 and 0 both mean off (vLLM's older and newer)
+
+
+def flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadField(key, f"'{key}' must be true or false")
+    return value
+
+
+def logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's {"token id": bias}: ids as strings (JSON keys), biases in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    out: dict[int, float] = {}
+    if isinstance(value, dict) and len(value) <= MAX_BIASED_TOKENS:
+        for key, bias in value.items():
+            if not (isinstance(key, str) and key.isdigit() and len(key) <= 9) or isinstance(
+                    bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                break
+            out[int(key)] = float(bias)
+        else:
+            return out
+    raise BadField("logit_bias", f"'logit_bias' must map at most {MAX_BIASED_TOKENS} token ids "
+                                 f"to numbers in [-100, 100]")
+
+
+def token_ids(body: dict[str, Any], key: str, limit: int) -> list[int]:
+    value = body.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > limit or not all(
+            type(t) is int and 0 <= t < 1 << 31 for t in value):
+        raise BadField(key, f"'{key}' must be a list of at most {limit} token ids")
+    return list(value)
 
 
 def max_tokens(body: dict[str, Any], key: str, default: int) -> int:

@@ -1,7 +1,10 @@
-"""The OpenAI API's shapes: requests to the engine protocol, results to OpenAI's answers.
+"""The OpenAI API's shapes for engined's own engines: requests to the engine protocol, results to
+OpenAI's answers (a command engine's requests pass through to its own server: gateway.proxy).
 
-What is not supported (n > 1, best_of, logprobs, echo, suffix, tools, penalties other than 0,
-non-text response formats) is a 400 naming the field, never silently ignored. The defaults are
+Sampling takes OpenAI's fields and vLLM's extras (top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids; penalties and logit_bias too). What is not supported yet (n > 1,
+best_of, logprobs, echo, suffix, tools, non-text response formats) is a 400 naming the field,
+never silently ignored. The defaults are
 OpenAI's: temperature 1, top_p 1, completions' max_tokens 16 (chat: up to the engine's limit,
 bounded here by MAX_TOKENS_DEFAULT_CHAT).
 """
@@ -66,7 +69,7 @@ class Job:
 # --- requests ---------------------------------------------------------------------------------
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-           "stop", "seed", "user", "presence_penalty", "frequency_penalty", "logprobs"}
+           "stop", "seed", "user", "logprobs", *fields.SAMPLING_FIELDS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix", "logit_bias"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                          "tool_choice", "functions", "function_call", "response_format",
@@ -136,11 +139,6 @@ def _sampling(body: dict[str, Any], default_max: int, max_key: str) -> proto.Sam
         raise bad("n", "only n = 1 is supported")
     if body.get("logprobs") not in (None, False, 0):
         raise bad("logprobs", "'logprobs' is not supported")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if body.get(key) not in (None, 0, 0.0):
-            raise bad(key, f"'{key}' other than 0 is not supported")
-    if body.get("logit_bias") not in (None, {}):
-        raise bad("logit_bias", "'logit_bias' is not supported")
     return fields.sampling(body, max_key, default_max, TEMPERATURE_DEFAULT)
 
 

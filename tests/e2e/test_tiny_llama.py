@@ -30,6 +30,7 @@ from driver import (
     process_gone,
     running_daemon,
 )
+from sampling_cases import check_sampling_fields
 
 READY_TIMEOUT_S = 120.0  # torch import + load + warm-up, two replicas sharing a small CPU box
 FAILED_TIMEOUT_S = 60.0
@@ -140,6 +141,16 @@ def test_fleet_ready_generates_and_reports_startup(ready_fleet: Daemon):
     assert data["prompt_tokens"] == len("hello")  # byte-level tokenizer
     assert 0 < data["completion_tokens"] <= 8
     assert data["batch_size"] == 1
+
+
+def test_vllms_sampling_fields_on_the_transformers_backend(ready_fleet: Daemon,
+                                                           tiny_checkpoint: Path):
+    def post(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        code, _, raw = ready_fleet.http("POST", "/v1/generate", json.dumps(body).encode(),
+                                        {"Content-Type": "application/json"})
+        return code, json.loads(raw)
+
+    check_sampling_fields(post, "tiny-0", tiny_checkpoint)
 
 
 def test_daemon_never_maps_torch(ready_fleet: Daemon):

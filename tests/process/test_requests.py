@@ -64,8 +64,7 @@ def _start(channels: Channels, cache: Path, children: list, model: str,
 
 
 def _req(rid: str, prompt: str = "", **kwargs: Any) -> proto.GenerateRequest:
-    sampling = {k: kwargs.pop(k) for k in ("max_tokens", "temperature", "top_p", "seed", "stop")
-                if k in kwargs}
+    sampling = {k: kwargs.pop(k) for k in list(kwargs) if k in proto.Sampling.__struct_fields__}
     return proto.GenerateRequest(rid, prompt, sampling=proto.Sampling(**sampling), **kwargs)
 
 
@@ -150,7 +149,13 @@ def test_invalid_requests_are_rejected_not_crashed(echo: Engine):
     echo.send(_req("zero", "abc", max_tokens=1, resume=[97]))  # nothing left to generate
     echo.send(proto.GenerateRequest("empty", "", sampling=proto.Sampling(max_tokens=4)))
     echo.send(proto.GenerateRequest("ids", prompt_ids=[-5], sampling=proto.Sampling()))
-    for rid in ("zero", "empty", "ids"):
+    # sampling fields no backend can use (a daemon's doors refuse them first)
+    bad = {"topk": {"top_k": -2}, "minp": {"min_p": 2.0}, "rep": {"repetition_penalty": 0.0},
+           "pres": {"presence_penalty": 5.0}, "mint": {"max_tokens": 2, "min_tokens": 3},
+           "bias": {"logit_bias": {3: 500.0}}, "stopid": {"stop_token_ids": [-1]}}
+    for rid, fields in bad.items():
+        echo.send(_req(rid, "abc", **fields))
+    for rid in ("zero", "empty", "ids", *bad):
         result = echo.result(rid)
         assert result.rejected and result.error and result.finish_reason == "error", result
     echo.send(_req("fine", "still serving", max_tokens=64))

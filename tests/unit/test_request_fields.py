@@ -30,6 +30,16 @@ BIG = fields.MAX_PROMPT_CHARS + 1
     ({"prompt": "x", "stop": ["a"] * 17}, "stop", "at most 16 non-empty strings"),
     ({"prompt": "x", "stop": [""]}, "stop", "at most 16 non-empty strings"),
     ({"prompt": "x", "stream": "yes"}, "stream", "'stream' must be true or false"),
+    ({"prompt": "x", "top_k": -2}, "top_k", "'top_k' must be an integer in [-1,"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p", "'min_p' must be a number in [0, 1]"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "must be a number in"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty", "must be a number in [-2, 2]"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "'logit_bias' must map"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "numbers in [-100, 100]"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
+     "'min_tokens' (5) must not exceed 'max_tokens' (4)"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos", "'ignore_eos' must be true or false"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids", "list of at most 64 token ids"),
 ])
 def test_both_doors_refuse_the_same_fields_with_the_same_words(body: dict[str, Any], param: str,
                                                                fragment: str) -> None:
@@ -55,3 +65,18 @@ def test_messages_are_read_alike_and_only_the_defaults_differ() -> None:
     assert control.sampling.seed == gateway.sampling.seed == 2**63 - 1  # folded alike
     assert (control.sampling.max_tokens, control.sampling.temperature) == (64, 0.0)
     assert (gateway.sampling.max_tokens, gateway.sampling.temperature) == (16, 1.0)
+
+
+def test_vllms_sampling_fields_reach_the_engine_protocol() -> None:
+    """What vLLM's serving benchmark sends (repetition_penalty 1.0, ignore_eos) and vLLM's
+    other extras are read, with vLLM's names and meanings (-1 and 0 both turn top_k off)."""
+    extras = {"top_k": -1, "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+              "frequency_penalty": -0.5, "logit_bias": {"7": -100}, "min_tokens": 2,
+              "ignore_eos": True, "stop_token_ids": [2, 3]}
+    job = parse_completion({"model": "m", "prompt": "hi", "max_tokens": 8, **extras})
+    control = generate_request({"prompt": "hi", "max_tokens": 8, **extras})
+    for sampling in (job.sampling, control.sampling):
+        assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty) == (0, 0.05, 1.1)
+        assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.5)
+        assert sampling.logit_bias == {7: -100.0} and sampling.stop_token_ids == [2, 3]
+        assert (sampling.min_tokens, sampling.ignore_eos) == (2, True)

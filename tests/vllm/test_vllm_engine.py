@@ -12,7 +12,6 @@ is bounded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -32,10 +31,12 @@ from driver import (
     ORPHAN_GRACE_S,
     REPO_ROOT,
     Daemon,
+    free_port,
     process_gone,
     running_daemon,
     wait_engines_gone,
 )
+from sampling_cases import check_sampling_fields
 
 pytestmark = pytest.mark.vllm
 
@@ -63,10 +64,6 @@ def vllm_engine(name: str, python: str, cache: Path, **extra: Any) -> dict[str, 
             "env": env, **extra}
 
 
-def vllm_daemon(engines: list[dict[str, Any]]) -> contextlib.AbstractContextManager[Daemon]:
-    return running_daemon(engines, SUPERVISOR, DEFAULTS, prefix="egv")
-
-
 @pytest.fixture(scope="module")
 def fleet(vllm_python: str, tiny_cache: Path) -> Iterator[Daemon]:
     """vllm-0 and vllm-1: builtin:tiny-llama on vLLM, fault injection on (`!stall`), a short
@@ -74,7 +71,10 @@ def fleet(vllm_python: str, tiny_cache: Path) -> Iterator[Daemon]:
     engine = vllm_engine("vllm", vllm_python, tiny_cache, replicas=2,
                          stall_timeout=f"{STALL_TIMEOUT_S:g}s",
                          env={"ENGINED_FAULT_INJECTION": "1"})
-    with vllm_daemon([engine]) as daemon:
+    gateway = free_port()
+    with running_daemon([engine], {**SUPERVISOR, "gateway": f"127.0.0.1:{gateway}"}, DEFAULTS,
+                        prefix="egv") as daemon:
+        daemon.gateway_port = gateway  # type: ignore[attr-defined]
         daemon.wait_all_ready(READY_TIMEOUT_S)
         yield daemon
 
@@ -162,6 +162,52 @@ def test_ready_with_device_model_and_load_time(ready_fleet: Daemon, vllm_python:
         assert not re.search(r"^\(\w+ pid=\d+\) INFO ", log, re.M), log[-3000:]
         assert "it/s]" not in log, log[-3000:]
 
+
+
+# vLLM's own serving benchmark, driven from Python (the CPU wheel's `vllm` command cannot read
+# its own version): random prompts through the gateway while a replica is SIGKILLed
+BENCH_SERVE = """
+import json, sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+result = main(parser.parse_args(sys.argv[1:]))
+print("RESULT " + json.dumps({k: result[k] for k in ("completed", "failed")}))
+"""
+
+
+def test_vllms_serving_benchmark_loses_nothing_while_a_replica_is_killed(
+        ready_fleet: Daemon, vllm_python: str, tiny_checkpoint: Path):
+    d = ready_fleet
+    victim = d.engine("vllm-1")["pid"]
+    argv = [vllm_python, "-c", BENCH_SERVE, "--backend", "openai", "--endpoint",
+            "/v1/completions", "--base-url", f"http://127.0.0.1:{d.gateway_port}",  # type: ignore
+            "--model", "vllm", "--tokenizer", str(tiny_checkpoint), "--dataset-name", "random",
+            "--random-input-len", "32", "--random-output-len", "24", "--num-prompts", "40",
+            "--max-concurrency", "8", "--seed", "1", "--disable-tqdm",
+            "--ready-check-timeout-sec", "60"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINED_")}
+    bench = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**env, "HF_HUB_OFFLINE": "1"})
+    try:
+        d.wait_for(lambda: (d.engine("vllm-1").get("queue") or {}).get("running"), 120,
+                   "vllm-1 serving the benchmark")
+        os.kill(victim, signal.SIGKILL)
+        out, _ = bench.communicate(timeout=600)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 0, out[-4000:]
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    assert (result["completed"], result["failed"]) == (40, 0), (result, out[-3000:])
+    assert d.wait_restarted("vllm-1", victim, READY_TIMEOUT_S)["last_exit"]["signal"] == \
+        "SIGKILL"
+
+def test_vllms_sampling_fields_on_the_vllm_backend(ready_fleet: Daemon, tiny_checkpoint: Path):
+    check_sampling_fields(lambda body: _post(ready_fleet, body), "vllm-0", tiny_checkpoint)
 
 def test_generates_completions_chats_stops_and_rejects(ready_fleet: Daemon):
     d = ready_fleet
