@@ -13,7 +13,6 @@ import pytest
 from engined.engine import protocol as proto
 from engined.supervisor.gateway.openai import parse_completion
 from engined.supervisor.gateway.relay import Done, Relay
-from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.ipc import RequestFailed
 from engined.supervisor.routing import NoReplica
 from engined.supervisor.state import EngineState as S
@@ -171,7 +170,7 @@ def test_a_request_is_never_sent_back_to_an_incarnation_it_was_lost_on(tmp_path)
         busy = w.router.pick([w.replica("a-1")])  # a-1 has a request: a-0 is picked first
         assert busy is not None
         channels = _Channels(dead="a-0")
-        relay = Relay(w.router, channels, Upstream(), w.clock.monotonic)  # type: ignore[arg-type]
+        relay = Relay(w.router, channels, w.clock.monotonic)  # type: ignore[arg-type]
         job = parse_completion({"model": "a", "prompt": "hi", "max_tokens": 2})
         out = [item async for item in relay.run(job, "a", "rid", w.clock.monotonic() + 60, 3)]
         assert channels.sent == ["a-0", "a-1"]
@@ -185,7 +184,7 @@ def test_a_lone_unreachable_replica_is_waited_out_not_retried(tmp_path):
     async def body(w: World) -> None:
         await w.start("a-0")
         channels = _Channels(dead="a-0")
-        relay = Relay(w.router, channels, Upstream(), w.clock.monotonic)  # type: ignore[arg-type]
+        relay = Relay(w.router, channels, w.clock.monotonic)  # type: ignore[arg-type]
         job = parse_completion({"model": "a", "prompt": "hi", "max_tokens": 2})
         run_ = asyncio.ensure_future(_collect(relay.run(job, "a", "rid",
                                                         w.clock.monotonic() + 60, 3)))
