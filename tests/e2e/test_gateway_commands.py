@@ -255,6 +255,9 @@ def test_a_request_that_cannot_move_mid_stream_is_resent_before_its_first_byte(g
     d.wait_for(lambda: d.engine(victim[0])["restarts"] == 1, 30, f"{victim[0]} restarted")
     assert "moving it" in d.stderr_text()
 
+    d.wait_for(lambda: not any((e.get("queue") or {}).get("running")
+                               for e in d.engines().values()), 15,
+               "no replica still counted as running the first request")
     chunks, victim2 = [], None
     with pytest.raises(openai.APIError) as err:
         for chunk in client.completions.create(model="fake", prompt=PROMPT, max_tokens=80,
