@@ -46,6 +46,23 @@ def prompt(value: Any) -> tuple[str, list[int] | None]:
     raise BadField("prompt", "'prompt' must be a non-empty string or a list of token ids")
 
 
+def prompts(value: Any, limit: int) -> list[tuple[str, list[int] | None]]:
+    """A prompt, or a batch of them (strings, or lists of token ids): each as `prompt` reads it."""
+    if isinstance(value, list) and len(value) > 1 and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(type(t) is int for t in p))
+            for p in value):
+        if len(value) > limit:
+            raise BadField("prompt", f"a batch of at most {limit} prompts")
+        out = []
+        for item in value:
+            try:
+                out.append(prompt(item if isinstance(item, str) else [item]))
+            except BadField as exc:
+                raise BadField("prompt", f"in a batch: {exc.message}") from None
+        return out
+    return [prompt(value)]
+
+
 def text(value: str, param: str) -> str:
     if len(value) > MAX_PROMPT_CHARS:
         raise BadField(param, f"'{param}' must be at most {MAX_PROMPT_CHARS} characters")

@@ -25,16 +25,17 @@ from typing import Any
 from aiohttp import web
 
 from engined.supervisor import __version__
+from engined.supervisor.gateway.choices import Choices
 from engined.supervisor.gateway.openai import (
-    Answer,
     ApiError,
-    Job,
+    Batch,
     Usage,
     parse_chat,
     parse_completion,
 )
+from engined.supervisor.gateway.openai import outcome as outcome_of
 from engined.supervisor.gateway.proxy import Proxy
-from engined.supervisor.gateway.relay import Done, Piece, Relay
+from engined.supervisor.gateway.relay import Relay
 from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.ipc import EngineChannels
 from engined.supervisor.loopmonitor import LagHistogram
@@ -103,14 +104,17 @@ class Gateway:
         self.router, self.api_key, self.clock = router, api_key, clock
         self.stats = GatewayStats()
         self.relay = Relay(router, channels, clock, on_move=self._moved)
-        self.proxy = Proxy(router, upstream, clock, on_move=self._moved,
-                           on_first=lambda model, s: self.stats.observe(self.stats.ttft, model, s))
+        self.choices = Choices(self.relay, clock, self._first)
+        self.proxy = Proxy(router, upstream, clock, on_move=self._moved, on_first=self._first)
         self.active = 0  # requests in flight (shutdown drains them)
         self._idle = asyncio.Event()
         self._idle.set()
 
     def _moved(self, model: str) -> None:
         self.stats.migrations[model] += 1
+
+    def _first(self, model: str, seconds: float) -> None:
+        self.stats.observe(self.stats.ttft, model, seconds)
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES,
@@ -191,16 +195,16 @@ class Gateway:
         return await self._completion(request, "/v1/chat/completions", parse_chat)
 
     async def _completion(self, request: web.Request, path: str,
-                          parse: Callable[[dict[str, Any]], Job]) -> web.StreamResponse:
+                          parse: Callable[[dict[str, Any]], Batch]) -> web.StreamResponse:
         body = await _body(request)
         model, group = self._model_group(body)
         if self._proxied(group):  # a command engine: its own server reads the body
             return await self._serve(request, model, group, lambda deadline, limit:
                                      self.proxy.forward(request, path, body, model, group,
                                                         deadline, limit))
-        job = parse(body)
+        batch = parse(body)
         return await self._serve(request, model, group, lambda deadline, limit:
-                                 self._relayed(request, job, group, deadline, limit))
+                                 self._relayed(request, batch, group, deadline, limit))
 
     async def by_model(self, request: web.Request) -> web.StreamResponse:
         """Any other route of a command engine's server, for the model the body names."""
@@ -260,7 +264,7 @@ class Gateway:
                                           spec.migration_limit)
             return response
         except ApiError as exc:
-            outcome = _outcome(exc)
+            outcome = outcome_of(exc)
             raise
         except asyncio.CancelledError:
             outcome = "client_gone"  # the client hung up (its handler was cancelled)
@@ -275,73 +279,10 @@ class Gateway:
             log.info("[gateway] %s %s %s %s in %.3fs", rid, request.path, label, outcome,
                      self.clock() - started)
 
-    async def _relayed(self, request: web.Request, job: Job, group: str, deadline: float,
+    async def _relayed(self, request: web.Request, batch: Batch, group: str, deadline: float,
                        limit: int) -> tuple[str, web.StreamResponse]:
-        """A request to engined's own engines, through the relay (it survives their deaths)."""
-        started = self.clock()
-        run = self.relay.run(job, group, request["request_id"], deadline, limit)
-        try:
-            answer = Answer(job, request["request_id"])
-            if job.stream:
-                return await self._stream(request, job, answer, run, started)
-            return await self._whole(job, answer, run, started)
-        finally:
-            await run.aclose()  # closes the engine stream: an unfinished request is aborted
-
-    async def _whole(self, job: Job, answer: Answer, run: Any,
-                     started: float) -> tuple[str, web.Response]:
-        text: list[str] = []
-        done: Done | None = None
-        first = True
-        async for item in run:
-            if isinstance(item, Piece):
-                if first:
-                    self.stats.observe(self.stats.ttft, job.model, self.clock() - started)
-                    first = False
-                text.append(item.text)
-            else:
-                done = item
-        assert done is not None
-        return "ok", web.json_response(answer.full("".join(text), done.finish_reason,
-                                                   done.usage))
-
-    async def _stream(self, request: web.Request, job: Job, answer: Answer, run: Any,
-                      started: float) -> tuple[str, web.StreamResponse]:
-        """Server-sent events; an error after the stream started is an `error` event."""
-        response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Request-Id": request["request_id"]})
-        await response.prepare(request)
-        first = True
-        try:
-            async for item in run:
-                if isinstance(item, Piece):
-                    if first:
-                        self.stats.observe(self.stats.ttft, job.model, self.clock() - started)
-                    if item.text or first:
-                        await _sse(response, answer.chunk(item.text, first=first))
-                    first = False
-                    continue
-                if first:  # nothing came before the end: open the stream anyway
-                    await _sse(response, answer.chunk("", first=True))
-                await _sse(response, answer.chunk("", item.finish_reason))
-                if job.include_usage:
-                    await _sse(response, answer.usage_chunk(item.usage))
-                await response.write(b"data: [DONE]\n\n")
-                return "ok", response
-        except ApiError as exc:
-            await _sse(response, exc.body())
-            await response.write(b"data: [DONE]\n\n")
-            return _outcome(exc), response
-        except (ConnectionResetError, RuntimeError):
-            return "client_gone", response
-        return "error", response
-
-
-def _outcome(exc: ApiError) -> str:
-    if exc.code == "timeout" or exc.code == "no_replica":
-        return "timeout"
-    return "rejected" if exc.status in (400, 429) else "error"
+        """A request to engined's own engines: each choice relayed (it survives their deaths)."""
+        return await self.choices.answer(request, batch, group, deadline, limit)
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -353,11 +294,6 @@ async def _body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the JSON body must be an object")
     return body
-
-
-async def _sse(response: web.StreamResponse, data: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(data, separators=(",", ":")).encode() +
-                         b"\n\n")
 
 
 def _api_error(exc: ApiError) -> web.Response:

@@ -15,10 +15,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from engined.engine import protocol as proto
 from engined.supervisor import request_fields as fields
 
 MAX_TOKENS_DEFAULT_COMPLETION = 16  # OpenAI's
+MAX_CHOICES = 128  # prompts of a batch x n
 MAX_TOKENS_DEFAULT_CHAT = 1024
 TEMPERATURE_DEFAULT = 1.0  # OpenAI's
 
@@ -37,6 +40,13 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
+
+
+def outcome(exc: ApiError) -> str:
+    """How a request that ended with `exc` is counted (engined_gateway_requests_total)."""
+    if exc.code == "timeout" or exc.code == "no_replica":
+        return "timeout"
+    return "rejected" if exc.status in (400, 429) else "error"
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -66,6 +76,20 @@ class Job:
                                      stream=self.stream, resume=resume)
 
 
+@dataclass(frozen=True)
+class Batch:
+    """A client request as independent jobs, one per choice: for each prompt of a batch, `n`
+    samples (choice index = prompt index x n + sample). Each is relayed on its own, so each
+    survives an engine's death on its own."""
+
+    jobs: list[Job]
+    n: int
+
+    @property
+    def first(self) -> Job:
+        return self.jobs[0]
+
+
 # --- requests ---------------------------------------------------------------------------------
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
@@ -76,7 +100,7 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "t
                          "parallel_tool_calls", "logit_bias", "stream_options"}
 
 
-def parse_completion(body: dict[str, Any]) -> Job:
+def parse_completion(body: dict[str, Any]) -> Batch:
     """A completion request; ApiError 400 naming the field."""
     try:
         return _completion(body)
@@ -84,7 +108,7 @@ def parse_completion(body: dict[str, Any]) -> Job:
         raise bad(exc.param, exc.message) from None
 
 
-def parse_chat(body: dict[str, Any]) -> Job:
+def parse_chat(body: dict[str, Any]) -> Batch:
     """A chat completion request; ApiError 400 naming the field."""
     try:
         return _chat(body)
@@ -92,19 +116,22 @@ def parse_chat(body: dict[str, Any]) -> Job:
         raise bad(exc.param, exc.message) from None
 
 
-def _completion(body: dict[str, Any]) -> Job:
+def _completion(body: dict[str, Any]) -> Batch:
     _known(body, COMPLETION_FIELDS)
     model = _model(body)
-    for field_, ok in (("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, ""))):
+    n = _n(body)
+    for field_, ok in (("best_of", (None, 1, n)), ("echo", (None, False)),
+                       ("suffix", (None, ""))):
         if body.get(field_) not in ok:
             raise bad(field_, f"'{field_}' is not supported")
-    prompt, prompt_ids = fields.prompt(body.get("prompt"))
-    return Job("completion", model, prompt, prompt_ids, None,
-               _sampling(body, MAX_TOKENS_DEFAULT_COMPLETION, "max_tokens"),
-               fields.stream(body), _include_usage(body))
+    prompts = fields.prompts(body.get("prompt"), MAX_CHOICES)
+    sampling = _sampling(body, MAX_TOKENS_DEFAULT_COMPLETION, "max_tokens")
+    jobs = [Job("completion", model, text, ids, None, seeded(sampling, j), fields.stream(body),
+                _include_usage(body)) for text, ids in prompts for j in range(n)]
+    return _batch(jobs, n)
 
 
-def _chat(body: dict[str, Any]) -> Job:
+def _chat(body: dict[str, Any]) -> Batch:
     _known(body, CHAT_FIELDS)
     model = _model(body)
     for field_ in ("tools", "functions", "tool_choice", "function_call", "top_logprobs"):
@@ -115,9 +142,34 @@ def _chat(body: dict[str, Any]) -> Job:
         raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
     messages = fields.messages(body.get("messages"))
     limit_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    return Job("chat", model, "", None, messages,
-               _sampling(body, MAX_TOKENS_DEFAULT_CHAT, limit_key), fields.stream(body),
-               _include_usage(body))
+    n = _n(body)
+    sampling = _sampling(body, MAX_TOKENS_DEFAULT_CHAT, limit_key)
+    jobs = [Job("chat", model, "", None, messages, seeded(sampling, j), fields.stream(body),
+                _include_usage(body)) for j in range(n)]
+    return _batch(jobs, n)
+
+
+def _n(body: dict[str, Any]) -> int:
+    n = fields.integer(body, "n", 1, 1, MAX_CHOICES)
+    temperature = body.get("temperature")
+    if n > 1 and isinstance(temperature, (int, float)) and temperature == 0:
+        raise bad("n", f"n must be 1 when using greedy sampling, got {n}")  # vLLM's rule
+    return n
+
+
+def _batch(jobs: list[Job], n: int) -> Batch:
+    if len(jobs) > MAX_CHOICES:
+        raise bad("n", f"a request makes at most {MAX_CHOICES} choices (prompts x n), got "
+                       f"{len(jobs)}")
+    return Batch(jobs, n)
+
+
+def seeded(sampling: proto.Sampling, j: int) -> proto.Sampling:
+    """The j-th of n samples: its own seed (seed + j) when the request has one, so the n are
+    different and each is reproducible."""
+    if j == 0 or sampling.seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=(sampling.seed + j) % fields.SEED_RANGE)
 
 
 def _known(body: dict[str, Any], fields: set[str]) -> None:
@@ -135,8 +187,6 @@ def _model(body: dict[str, Any]) -> str:
 
 def _sampling(body: dict[str, Any], default_max: int, max_key: str) -> proto.Sampling:
     """What the engines do not do is refused, never silently ignored."""
-    if body.get("n") not in (None, 1):
-        raise bad("n", "only n = 1 is supported")
     if body.get("logprobs") not in (None, False, 0):
         raise bad("logprobs", "'logprobs' is not supported")
     return fields.sampling(body, max_key, default_max, TEMPERATURE_DEFAULT)
@@ -178,25 +228,28 @@ class Answer:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.job.model}
 
-    def full(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        if self.job.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
-                                                              "content": text},
-                                      "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head(self.object), "choices": [choice], "usage": usage.json()}
+    def full(self, choices: list[tuple[str, str]], usage: Usage) -> dict[str, Any]:
+        """The whole answer: (text, finish reason) of each choice, in index order."""
+        out = []
+        for index, (text, finish_reason) in enumerate(choices):
+            if self.job.kind == "chat":
+                out.append({"index": index, "message": {"role": "assistant", "content": text},
+                            "logprobs": None, "finish_reason": finish_reason})
+            else:
+                out.append({"index": index, "text": text, "logprobs": None,
+                            "finish_reason": finish_reason})
+        return {**self._head(self.object), "choices": out, "usage": usage.json()}
 
-    def chunk(self, text: str, finish_reason: str | None = None,
-              first: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
+              index: int = 0) -> dict[str, Any]:
         if self.job.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
                 {"content": text} if text or finish_reason is None else {})
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
                                       "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         return {**self._head("text_completion"),
-                "choices": [{"index": 0, "text": text, "logprobs": None,
+                "choices": [{"index": index, "text": text, "logprobs": None,
                              "finish_reason": finish_reason}]}
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:

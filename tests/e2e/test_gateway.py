@@ -75,7 +75,7 @@ def test_errors_are_openai_shaped(gateway):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="nope", prompt="x")
     assert err.value.code == "model_not_found" and "echo" in err.value.message
-    for kwargs, param in [({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"),
+    for kwargs, param in [({"n": 2, "temperature": 0}, "n"), ({"logprobs": 2}, "logprobs"),
                           ({"max_tokens": 0}, "max_tokens"), ({"temperature": 3}, "temperature"),
                           ({"stop": ["a"] * 17}, "stop")]:
         with pytest.raises(openai.BadRequestError) as err:
@@ -184,7 +184,7 @@ def test_gateway_metrics(gateway):
     d, client = gateway(supervisor={"http": f"127.0.0.1:{port}"})
     client.completions.create(model="echo", prompt="counted")
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="echo", prompt="x", n=3)
+        client.completions.create(model="echo", prompt="x", logprobs=3)
     import urllib.request
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
@@ -192,3 +192,42 @@ def test_gateway_metrics(gateway):
     assert 'engined_gateway_migrations_total{model="echo"} 0.0' in text
     assert 'engined_gateway_time_to_first_token_seconds_count{model="echo"} 1.0' in text
     assert 'engined_gateway_request_duration_seconds_bucket{le="+Inf",model="echo"}' in text
+
+
+def test_a_batch_of_prompts_and_n_samples_are_choices_and_each_survives_a_death(gateway):
+    """prompt: [a, b] with n = 2 is four choices (prompt index x n + sample), answered whole or
+    streamed; each choice is its own engine request, so a replica's death mid-stream moves only
+    what ran there, and every choice still ends exactly as without the fault."""
+    slow = {**ECHO, "env": {"ENGINED_ECHO_TOKEN_MS": "30"}, "stop_timeout": "2s"}
+    d, client = gateway([slow])
+    prompts = ["first prompt of the batch", "the second one, a little longer"]
+    done = client.completions.create(model="echo", prompt=prompts, n=2, max_tokens=200)
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    assert [c.text for c in done.choices] == [prompts[0]] * 2 + [prompts[1]] * 2
+    assert done.usage.prompt_tokens == sum(len(p) for p in prompts)  # each prompt once
+    assert done.usage.completion_tokens == 2 * sum(len(p) for p in prompts)
+
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    killed = None
+    for chunk in client.completions.create(model="echo", prompt=prompts, n=2, max_tokens=200,
+                                           stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+        if killed is None and sum(map(len, texts.values())) >= 20:
+            killed = next(n for n, e in d.engines().items() if (e.get("queue") or {}).get(
+                "running"))
+            os.kill(d.engine(killed)["pid"], signal.SIGKILL)
+        if chunk.usage:
+            usage = chunk.usage
+    assert texts == {0: prompts[0], 1: prompts[0], 2: prompts[1], 3: prompts[1]}
+    assert finishes == {i: "stop" for i in range(4)}
+    assert usage.completion_tokens == 2 * sum(len(p) for p in prompts)
+    assert killed is not None and "moving it" in d.stderr_text()
+
+    chat = client.chat.completions.create(model="echo", n=3, messages=[
+        {"role": "user", "content": "say this"}])
+    assert [(c.index, c.message.content) for c in chat.choices] == [
+        (0, "say this"), (1, "say this"), (2, "say this")]

@@ -171,7 +171,7 @@ def test_a_request_is_never_sent_back_to_an_incarnation_it_was_lost_on(tmp_path)
         assert busy is not None
         channels = _Channels(dead="a-0")
         relay = Relay(w.router, channels, w.clock.monotonic)  # type: ignore[arg-type]
-        job = parse_completion({"model": "a", "prompt": "hi", "max_tokens": 2})
+        job = parse_completion({"model": "a", "prompt": "hi", "max_tokens": 2}).first
         out = [item async for item in relay.run(job, "a", "rid", w.clock.monotonic() + 60, 3)]
         assert channels.sent == ["a-0", "a-1"]
         assert isinstance(out[-1], Done) and (out[-1].engine, out[-1].moves) == ("a-1", 1)
@@ -185,7 +185,7 @@ def test_a_lone_unreachable_replica_is_waited_out_not_retried(tmp_path):
         await w.start("a-0")
         channels = _Channels(dead="a-0")
         relay = Relay(w.router, channels, w.clock.monotonic)  # type: ignore[arg-type]
-        job = parse_completion({"model": "a", "prompt": "hi", "max_tokens": 2})
+        job = parse_completion({"model": "a", "prompt": "hi", "max_tokens": 2}).first
         run_ = asyncio.ensure_future(_collect(relay.run(job, "a", "rid",
                                                         w.clock.monotonic() + 60, 3)))
         await w.settle(1.0)

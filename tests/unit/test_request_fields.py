@@ -20,7 +20,6 @@ BIG = fields.MAX_PROMPT_CHARS + 1
     ({"prompt": "x" * BIG}, "prompt", f"at most {fields.MAX_PROMPT_CHARS} characters"),
     ({"prompt": "\ud800"}, "prompt", "valid Unicode"),
     ({"prompt": [1, -1]}, "prompt", "non-negative integers"),
-    ({"prompt": ["a", "b"]}, "prompt", "a batch of prompts is not supported"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "'max_tokens' must be an integer"),
     ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "'max_tokens' must be an integer"),
     ({"prompt": "x", "temperature": 3}, "temperature", "'temperature' must be a number in"),
@@ -61,7 +60,7 @@ def test_messages_are_read_alike_and_only_the_defaults_differ() -> None:
     with pytest.raises(fields.BadField, match=r"messages\[0\] must have a role"):
         fields.messages([{"role": "robot", "content": "x"}])
     control = generate_request({"prompt": "hi", "seed": -1})
-    gateway = parse_completion({"model": "m", "prompt": "hi", "seed": -1})
+    gateway = parse_completion({"model": "m", "prompt": "hi", "seed": -1}).first
     assert control.sampling.seed == gateway.sampling.seed == 2**63 - 1  # folded alike
     assert (control.sampling.max_tokens, control.sampling.temperature) == (64, 0.0)
     assert (gateway.sampling.max_tokens, gateway.sampling.temperature) == (16, 1.0)
@@ -73,10 +72,27 @@ def test_vllms_sampling_fields_reach_the_engine_protocol() -> None:
     extras = {"top_k": -1, "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5,
               "frequency_penalty": -0.5, "logit_bias": {"7": -100}, "min_tokens": 2,
               "ignore_eos": True, "stop_token_ids": [2, 3]}
-    job = parse_completion({"model": "m", "prompt": "hi", "max_tokens": 8, **extras})
+    job = parse_completion({"model": "m", "prompt": "hi", "max_tokens": 8, **extras}).first
     control = generate_request({"prompt": "hi", "max_tokens": 8, **extras})
     for sampling in (job.sampling, control.sampling):
         assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty) == (0, 0.05, 1.1)
         assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.5)
         assert sampling.logit_bias == {7: -100.0} and sampling.stop_token_ids == [2, 3]
         assert (sampling.min_tokens, sampling.ignore_eos) == (2, True)
+
+
+def test_the_gateway_makes_one_job_per_choice_and_the_control_socket_one_request() -> None:
+    """A batch of prompts and n samples are a job per choice (prompt index x n + sample), each
+    with its own seed (seed + sample); vLLM's rule holds: no n > 1 when greedy."""
+    batch = parse_completion({"model": "m", "prompt": ["ab", [5, 6]], "n": 3,
+                              "temperature": 0.7, "seed": 10})
+    assert batch.n == 3 and len(batch.jobs) == 6
+    assert [(j.prompt, j.prompt_ids) for j in batch.jobs[::3]] == [("ab", None), ("", [5, 6])]
+    assert [j.sampling.seed for j in batch.jobs] == [10, 11, 12, 10, 11, 12]
+    with pytest.raises(ApiError, match="n must be 1 when using greedy sampling, got 2") as err:
+        parse_completion({"model": "m", "prompt": "x", "n": 2, "temperature": 0})
+    assert err.value.param == "n"
+    with pytest.raises(ApiError, match="at most 128 choices"):
+        parse_completion({"model": "m", "prompt": ["x"] * 65, "n": 2})
+    with pytest.raises(Exception, match="a batch of prompts is not supported"):
+        generate_request({"prompt": ["a", "b"]})  # the control socket: one engine request
