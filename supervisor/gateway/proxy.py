@@ -29,10 +29,11 @@ import aiohttp
 from aiohttp import web
 
 from engined.supervisor.gateway.openai import ApiError
+from engined.supervisor.gateway.relay import acquire, moved
 from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.incarnation import Incarnation
 from engined.supervisor.ipc import EngineLost
-from engined.supervisor.routing import Lease, NoReplica, Router
+from engined.supervisor.routing import Lease, Router
 
 log = logging.getLogger("engined.gateway")
 
@@ -123,27 +124,17 @@ class Proxy:
             finally:
                 self.router.release(lease)
             lost_on.add(lease.incarnation)
-            moves = self.moved(model or path, request, lease, lost, moves, limit, 0)
+            moves = self.count_move(model or path, request, lease, lost, moves, limit, 0)
 
-    def moved(self, model: str, request: web.Request, lease: Lease, lost: str, moves: int,
+    def count_move(self, model: str, request: web.Request, lease: Lease, lost: str, moves: int,
               limit: int, delivered: int) -> int:
-        moves += 1
-        if moves > limit:
-            raise ApiError(503, f"the request lost its engine {moves} times (migration_limit "
-                                f"{limit}); last: {lease.replica.name}: {lost}",
-                           kind="server_error", code="migration_limit",
-                           headers={"Retry-After": "5"})
-        log.warning("[gateway] %s: %s: %s; moving it (move %d of %d, %d tokens delivered)",
-                    request["request_id"], lease.replica.name, lost, moves, limit, delivered)
+        moves = moved(request["request_id"], f"{lease.replica.name}: {lost}", moves, limit,
+                      delivered)
         self.on_move(model)
         return moves
 
     async def acquire(self, group: str, deadline: float, avoid: set[Incarnation]) -> Lease:
-        try:
-            return await self.router.acquire(group, deadline, avoid)
-        except NoReplica as exc:
-            raise ApiError(503, str(exc), kind="server_error", code="no_replica",
-                           headers={"Retry-After": "5"}) from None
+        return await acquire(self.router, group, deadline, avoid)
 
     async def _upstream_name(self, lease: Lease) -> str:
         inc = lease.incarnation
@@ -206,7 +197,7 @@ class _Stream:
             lost_on.add(lease.incarnation)
             if self.progress.sent and self.blocker is not None:
                 return await self._cannot_continue(lease, lost)
-            moves = self.proxy.moved(self.model, self.request, lease, lost, moves, self.limit,
+            moves = self.proxy.count_move(self.model, self.request, lease, lost, moves, self.limit,
                                      len(self.progress.delivered))
 
     async def _attempt(self, lease: Lease) -> tuple[str, web.StreamResponse] | None:

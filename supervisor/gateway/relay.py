@@ -104,23 +104,36 @@ class Relay:
             finally:
                 self.router.release(lease)
             lost_on.add(lease.incarnation)
-            moves += 1
-            if moves > limit:
-                raise ApiError(503, f"the request lost its engine {moves} times "
-                                    f"(migration_limit {limit}); last: {lost}",
-                               kind="server_error", code="migration_limit",
-                               headers={"Retry-After": "5"})
-            log.warning("[gateway] %s: %s; moving it (move %d of %d, %d tokens delivered)",
-                        request_id, lost, moves, limit, len(delivered))
+            moves = moved(request_id, lost, moves, limit, len(delivered))
             self.on_move(job.model)
 
     async def _acquire(self, group: str, deadline: float,
                        avoid: set[Incarnation]) -> Lease:
-        try:
-            return await self.router.acquire(group, deadline, avoid)
-        except NoReplica as exc:
-            raise ApiError(503, str(exc), kind="server_error", code="no_replica",
-                           headers={"Retry-After": "5"}) from None
+        return await acquire(self.router, group, deadline, avoid)
+
+
+async def acquire(router: Router, group: str, deadline: float,
+                  avoid: set[Incarnation]) -> Lease:
+    """A lease on a routable replica of `group` (never one of `avoid`: incarnations the request
+    was lost on); ApiError 503 past the deadline."""
+    try:
+        return await router.acquire(group, deadline, avoid)
+    except NoReplica as exc:
+        raise ApiError(503, str(exc), kind="server_error", code="no_replica",
+                       headers={"Retry-After": "5"}) from None
+
+
+def moved(request_id: str, lost: str, moves: int, limit: int, delivered: int) -> int:
+    """A request lost its engine (`lost` says how): one move more, or ApiError 503 past
+    migration_limit. Returns the moves so far."""
+    moves += 1
+    if moves > limit:
+        raise ApiError(503, f"the request lost its engine {moves} times (migration_limit "
+                            f"{limit}); last: {lost}", kind="server_error",
+                       code="migration_limit", headers={"Retry-After": "5"})
+    log.warning("[gateway] %s: %s; moving it (move %d of %d, %d tokens delivered)",
+                request_id, lost, moves, limit, delivered)
+    return moves
 
 
 async def _until(stream: RequestStream, deadline: float,
