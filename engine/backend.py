@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
-    from engined.engine.protocol import ChatMessage, GpuMemory, Sampling
+    from engined.engine.protocol import ChatMessage, GpuMemory, Position, Sampling
 
 ProgressFn = Callable[[str, str], None]
 
@@ -47,11 +47,23 @@ class Admission:
 @dataclass(frozen=True)
 class Delta:
     """New tokens of a request. `text` may be shorter than the ids say (a partial character is
-    held back until the next token completes it)."""
+    held back until the next token completes it). `logprobs`: one Position per id, when the
+    request's sampling asks for them."""
 
     id: str
     token_ids: list[int]
     text: str
+    logprobs: list[Position] | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's positions' logprobs (`sampling.prompt_logprobs`), before the first Delta:
+    one Position per prompt token; the first holds only the token, with rank 0 (nothing comes
+    before it: see `first_position`)."""
+
+    id: str
+    positions: list[Position]
 
 
 @dataclass(frozen=True)
@@ -64,7 +76,7 @@ class Finished:
     error: str | None = None
 
 
-Event = Delta | Finished
+Event = Delta | Finished | PromptLogprobs
 Emit = Callable[[Event], None]
 
 
@@ -117,6 +129,13 @@ class Backend(Protocol):
 
     def close(self) -> dict[str, float]:
         """Free the model; returns what was freed (for the cleanup report)."""
+
+
+def first_position(token: int, text: str) -> Position:
+    """A prompt's first position: the token and its text, no logprob (rank 0)."""
+    from engined.engine.protocol import TokenLogprob
+
+    return [TokenLogprob(token, 0.0, 0, text)]
 
 
 FALLBACK_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"  # per message, then "<|assistant|>\n"

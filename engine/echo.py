@@ -32,8 +32,11 @@ from engined.engine.backend import (
     Finished,
     Load,
     ProgressFn,
+    PromptLogprobs,
     RequestRejected,
+    first_position,
 )
+from engined.engine.protocol import Position, TokenLogprob
 
 if TYPE_CHECKING:
     from engined.engine.protocol import ChatMessage, GpuMemory
@@ -47,6 +50,16 @@ class _Echo:
         self.position = start  # next character to emit
         self.end = min(len(source), start + request.max_tokens)
         self.reason = "stop" if self.end == len(source) else "length"
+        self.logprobs = request.sampling.logprobs
+        self.prompt_logprobs = request.sampling.prompt_logprobs
+
+
+def echo_position(token: int, top: int) -> Position:
+    """The echo model is certain of its next character: logprob 0, rank 1; the `top` likeliest
+    are it and the code points after it, at vLLM's floor for an impossible token (-9999)."""
+    return [TokenLogprob(token, 0.0, 1, chr(token))] + [
+        TokenLogprob(other, -9999.0, rank, chr(other))
+        for rank, other in enumerate(range(token + 1, min(token + top, 0x110000)), start=2)]
 
 
 class EchoBackend:
@@ -100,6 +113,14 @@ class EchoBackend:
             request.prompt_ids
         self.running[request.id] = _Echo(request, source, resumed)
 
+    def _prompt_logprobs(self, echo: _Echo, emit: Emit) -> None:
+        top = echo.prompt_logprobs
+        if top is not None:
+            echo.prompt_logprobs = None
+            first = echo.source[0]
+            emit(PromptLogprobs(echo.id, [first_position(first, chr(first))] + [
+                echo_position(t, top) for t in echo.source[1:]]))
+
     def abort(self, request_id: str) -> None:
         self.running.pop(request_id, None)
 
@@ -116,8 +137,11 @@ class EchoBackend:
             upto = min(echo.end, echo.position + 1) if self.token_s else echo.end
             ids = echo.source[echo.position:upto]
             echo.position = upto
+            self._prompt_logprobs(echo, emit)
             if ids:
-                emit(Delta(echo.id, ids, self.detokenize(ids)))
+                top = echo.logprobs
+                emit(Delta(echo.id, ids, self.detokenize(ids), None if top is None else
+                           [echo_position(t, top) for t in ids]))
             if echo.position >= echo.end and echo.id in self.running:
                 del self.running[echo.id]
                 emit(Finished(echo.id, echo.reason))

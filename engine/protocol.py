@@ -99,6 +99,25 @@ FINISH_ABORT = "abort"  # the daemon aborted it (its client went away)
 FINISH_ERROR = "error"  # see GenerateResult.error
 
 
+MAX_LOGPROBS = 20  # top logprobs per position (vLLM's default max_logprobs, OpenAI's chat limit)
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One token's log-probability at one position, from the model's raw distribution (before
+    temperature, penalties and the like: vLLM's default), with its rank (1: the likeliest) and
+    its text as vLLM shows it (the token alone, its leading space kept)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    token: str
+
+
+# One position: the token that was there first (sampled, or the prompt's), then the top
+# `logprobs` tokens by rank, each token once (vLLM's order).
+Position = list[TokenLogprob]
+
+
 class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Sampling parameters, with vLLM's names and meanings. temperature 0 is greedy
     (deterministic); a seed makes a sampled request reproducible on one engine (not after it
@@ -120,6 +139,8 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_tokens: int = 0  # no end of sequence (or stop token) before this many tokens
     ignore_eos: bool = False  # go on past the end-of-sequence token
     stop_token_ids: list[int] = []  # generating one of these ends the request (finish: stop)
+    logprobs: int | None = None  # per generated token: its logprob and the top N (0: only its)
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first has none)
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -141,6 +162,7 @@ class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
     sampling: Sampling = Sampling()
     stream: bool = False  # TokenChunks as tokens come, then the GenerateResult
     resume: list[int] = []
+    echo: bool = False  # send the prompt back (its ids, text and logprobs): see `PromptEcho`
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -154,14 +176,27 @@ class Wake(msgspec.Struct, tag="wake", frozen=True):
     the next lockstep step now instead of at the end of their idle poll."""
 
 
+class PromptEcho(msgspec.Struct, frozen=True):
+    """The prompt as the engine read it (a request with `echo`), in the request's first message:
+    its token ids, its text, and its positions' logprobs (`prompt_logprobs`; position 0 has
+    nothing before it: only the token itself, with rank 0 and no meaningful logprob)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[Position] | None = None
+
+
 class TokenChunk(msgspec.Struct, tag="tok", frozen=True):
-    """New tokens of a streamed request (its text may lag its ids by a partial character)."""
+    """New tokens of a streamed request (its text may lag its ids by a partial character), with
+    their logprobs when the request asked for them (one Position per id)."""
 
     id: str
     engine: str
     incarnation: int
     token_ids: list[int]
     text: str
+    logprobs: list[Position] | None = None
+    prompt: PromptEcho | None = None
 
 
 class GenerateResult(msgspec.Struct, tag="result", frozen=True):
@@ -182,6 +217,8 @@ class GenerateResult(msgspec.Struct, tag="result", frozen=True):
     compute_s: float = 0.0
     error: str | None = None
     rejected: bool = False  # the request itself is invalid (a client error: retrying is futile)
+    logprobs: list[Position] | None = None  # for token_ids, as in TokenChunk
+    prompt: PromptEcho | None = None  # if no chunk carried it
 
 
 class Results(msgspec.Struct, tag="results", frozen=True):

@@ -17,8 +17,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
+
 from engined.engine import protocol as proto
-from engined.engine.backend import Admission, Backend, Delta, Event, Finished, RequestRejected
+from engined.engine.backend import (
+    Admission,
+    Backend,
+    Delta,
+    Event,
+    Finished,
+    PromptLogprobs,
+    RequestRejected,
+)
 
 MAX_PROMPT_TOKENS = 1 << 20
 
@@ -37,6 +47,10 @@ class _Active:
     sent_text: int = 0  # characters of `text` already delivered (starts after the resumed text)
     held_ids: list[int] = field(default_factory=list)  # generated, not yet delivered
     stopped: bool = False
+    # with sampling.logprobs: one Position per id of `ids` / `held_ids`
+    logprobs: list[proto.Position] | None = None
+    held_logprobs: list[proto.Position] = field(default_factory=list)
+    prompt: proto.PromptEcho | None = None  # echoed in the first message (then None)
 
     @property
     def stops(self) -> list[str]:
@@ -75,6 +89,14 @@ class RequestTable:
             resume_text = self.backend.detokenize(list(msg.resume)) if msg.resume else ""
             entry = _Active(msg, now, len(prompt_ids), len(msg.resume), resume_text,
                             resume_len=len(resume_text), sent_text=len(resume_text))
+            if sampling.logprobs is not None:
+                entry.logprobs = []
+            if msg.resume:  # the prompt went back with the first engine's first message
+                sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
+            elif msg.echo or sampling.prompt_logprobs is not None:
+                entry.prompt = proto.PromptEcho(prompt_ids, msg.prompt if (
+                    msg.prompt and msg.prompt_ids is None and msg.messages is None)
+                    else self.backend.detokenize(prompt_ids))
             self.backend.add(Admission(msg.id, prompt_ids + list(msg.resume), remaining,
                                        sampling, resumed=len(msg.resume)))
         except RequestRejected as exc:
@@ -116,6 +138,9 @@ class RequestTable:
             return  # aborted, or already ended by a stop string
         if isinstance(event, Delta):
             self._on_delta(entry, event)
+        elif isinstance(event, PromptLogprobs):
+            if entry.prompt is not None:
+                entry.prompt = msgspec.structs.replace(entry.prompt, logprobs=event.positions)
         elif isinstance(event, Finished):
             if event.reason == proto.FINISH_ERROR:
                 self.active.pop(entry.msg.id, None)
@@ -132,6 +157,9 @@ class RequestTable:
         stream, stops = entry.msg.stream, entry.stops
         if stream:
             entry.held_ids.extend(delta.token_ids)
+        if entry.logprobs is not None:
+            positions = _positions(delta)
+            (entry.held_logprobs if stream else entry.logprobs).extend(positions)
         if not stops:
             entry.text += delta.text
             if stream and delta.text:
@@ -154,8 +182,16 @@ class RequestTable:
     def _chunk(self, entry: _Active) -> None:
         text = entry.text[entry.sent_text:]
         self.send(proto.TokenChunk(entry.msg.id, self.name, self.incarnation, entry.held_ids,
-                                   text))
-        entry.held_ids, entry.sent_text = [], len(entry.text)
+                                   text, logprobs=self._held_logprobs(entry),
+                                   prompt=entry.prompt))
+        entry.held_ids, entry.sent_text, entry.prompt = [], len(entry.text), None
+
+    @staticmethod
+    def _held_logprobs(entry: _Active) -> list[proto.Position] | None:
+        if entry.logprobs is None:
+            return None
+        held, entry.held_logprobs = entry.held_logprobs, []
+        return held
 
     def _finish(self, entry: _Active, reason: str) -> None:
         self.active.pop(entry.msg.id, None)
@@ -165,7 +201,8 @@ class RequestTable:
         # streamed: what the chunks did not carry yet; else the whole generated text
         text = entry.text[entry.sent_text:] if stream else entry.text[entry.resume_len:]
         self._reply(entry.msg, text=text, token_ids=entry.held_ids if stream else entry.ids,
-                    finish_reason=reason,
+                    logprobs=self._held_logprobs(entry) if stream else entry.logprobs,
+                    prompt=entry.prompt, finish_reason=reason,
                     prompt_tokens=entry.prompt_tokens,
                     completion_tokens=entry.resumed + len(entry.ids),
                     batch_size=entry.batch_size, queue_s=started - entry.arrived_at,
@@ -185,6 +222,13 @@ class RequestTable:
             fields.setdefault("finish_reason", proto.FINISH_ERROR)
         self.send(proto.GenerateResult(id=msg.id, engine=self.name,
                                        incarnation=self.incarnation, **fields))  # type: ignore
+
+
+def _positions(delta: Delta) -> list[proto.Position]:
+    """The delta's logprobs, one Position per id (a backend that gave none: empty ones)."""
+    if delta.logprobs is not None and len(delta.logprobs) == len(delta.token_ids):
+        return list(delta.logprobs)
+    return [[] for _ in delta.token_ids]
 
 
 def _longest(stops: list[str]) -> int:
@@ -218,6 +262,9 @@ def _check_sampling(s: proto.Sampling) -> None:
          "logit_bias values must be in [-100, 100]"),
         (all(t >= 0 for t in [*s.logit_bias, *s.stop_token_ids]),
          "token ids must be non-negative"),
+        (all(k is None or 0 <= k <= proto.MAX_LOGPROBS
+             for k in (s.logprobs, s.prompt_logprobs)),
+         f"logprobs and prompt_logprobs must be in [0, {proto.MAX_LOGPROBS}]"),
     ]
     for ok, why in checks:
         if not ok:

@@ -31,14 +31,16 @@ from engined.engine.backend import (
     Finished,
     Load,
     ProgressFn,
+    PromptLogprobs,
     RequestRejected,
     fallback_chat_prompt,
+    first_position,
     torch_gpu_memory,
 )
 from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
 
 if TYPE_CHECKING:
-    from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Sampling
+    from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Position, Sampling
 
 def build_hf_backend(config: EngineConfig, progress: ProgressFn) -> HFBackend:
     progress("import", "torch, transformers")
@@ -236,15 +238,55 @@ class HFBackend:
             kwargs["repetition_penalty"] = sampling.repetition_penalty
         rows = [self.rows[r.id] for r in batch]
         hook = _StreamHook(self, rows, width, emit, on_token)
-        with torch.inference_mode():
+        with torch.inference_mode(), _RawLogits(self.model, sampling.logprobs) as raw:
+            for row in rows:
+                self._prompt_logprobs(row.request, emit)
+            hook.raw = raw
             self.model.generate(input_ids=input_ids, attention_mask=mask,
                                 max_new_tokens=max(r.max_tokens for r in batch),
                                 pad_token_id=pad, stopping_criteria=hook.criteria(),
                                 logits_processor=_RowLogits(self, rows, width).processors(),
                                 **kwargs)
 
-    def _advance(self, row: _Row, token: int, emit: Emit) -> bool:
-        """Row `row` produced `token`; True when it is done."""
+    def _prompt_logprobs(self, request: Admission, emit: Emit) -> None:
+        """One forward over the prompt alone: each token's logprob given the ones before it."""
+        top = request.sampling.prompt_logprobs
+        if top is None:
+            return
+        torch, ids = self.torch, request.prompt_ids
+        logits = self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        emit(PromptLogprobs(request.id, [first_position(ids[0], self.token_text(ids[0]))] + [
+            self.position(logprobs[i - 1], ids[i], top) for i in range(1, len(ids))]))
+
+    def position(self, logprobs: Any, token: int, top: int) -> Position:
+        """`token`'s logprob and rank in one position's distribution, then the `top` likeliest
+        (vLLM's order: the token first, each token once)."""
+        from engined.engine.protocol import TokenLogprob
+
+        chosen = float(logprobs[token])
+        rank = int((logprobs > chosen).sum()) + 1
+        best = self.torch.topk(logprobs, top) if top else None
+        pairs = [(token, chosen, rank)]
+        if best is not None:
+            pairs += [(int(t), float(v), r) for r, (v, t) in
+                      enumerate(zip(best.values.tolist(), best.indices.tolist()), start=1)
+                      if int(t) != token]
+        return [TokenLogprob(t, v, r, self.token_text(t)) for t, v, r in pairs]
+
+    def token_text(self, token: int) -> str:
+        """A token alone as text, its leading space kept (SentencePiece's marker), as vLLM
+        shows tokens in logprobs."""
+        text = str(self.tokenizer.decode([token]))
+        raw = self.tokenizer.convert_ids_to_tokens(token) or ""
+        markers = len(raw) - len(raw.lstrip("\u2581"))
+        missing = markers - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
+
+    def _advance(self, row: _Row, token: int, emit: Emit, position: Position | None = None
+                 ) -> bool:
+        """Row `row` produced `token` (`position`: its logprobs, if asked); True when it is
+        done."""
         sampling = row.request.sampling
         if (token == self.tokenizer.eos_token_id and not sampling.ignore_eos) \
                 or token in sampling.stop_token_ids:
@@ -257,7 +299,7 @@ class HFBackend:
         text = "" if full.endswith("\ufffd") else full[row.text_len:]
         if text:
             row.text_len = len(full)
-        emit(Delta(row.request.id, [token], text))
+        emit(Delta(row.request.id, [token], text, None if position is None else [position]))
         if len(row.ids) >= row.request.max_tokens:
             row.done = True
             emit(Finished(row.request.id, "length"))
@@ -348,6 +390,36 @@ class _RowLogits:
         return scores
 
 
+class _RawLogits:
+    """While a batch that asks for logprobs generates: the model's raw logits at the last
+    position of each forward (a hook on its output layer), as log-probabilities, before any
+    temperature, penalty or bias (vLLM's default logprobs)."""
+
+    def __init__(self, model: Any, top: int | None) -> None:
+        self.model, self.wanted = model, top is not None
+        self.last: Any = None
+        self.handle: Any = None
+
+    def __enter__(self) -> _RawLogits | None:
+        if not self.wanted:
+            return None
+        self.handle = self.model.get_output_embeddings().register_forward_hook(self._keep)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+        self.last = None
+
+    def _keep(self, module: Any, inputs: Any, output: Any) -> None:
+        self.last = output[:, -1, :]
+
+    def logprobs(self) -> Any:
+        import torch
+
+        return None if self.last is None else torch.log_softmax(self.last.float(), dim=-1)
+
+
 class _StreamHook:
     """Called by `generate` after every token position: stream each live row's new token, end
     rows that are done (eos, their own max_tokens, aborted), stamp the busy loop's progress."""
@@ -356,14 +428,20 @@ class _StreamHook:
                  on_token: Callable[[], None]) -> None:
         self.backend, self.rows, self.width = backend, rows, width
         self.emit, self.on_token = emit, on_token
+        self.raw: _RawLogits | None = None
 
     def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
         torch = self.backend.torch
         position = input_ids.shape[1] - 1
         done = []
+        logprobs = self.raw.logprobs() if self.raw is not None else None
         for i, row in enumerate(self.rows):
             if not row.done and position >= self.width:
-                self.backend._advance(row, int(input_ids[i, position]), self.emit)
+                token = int(input_ids[i, position])
+                top = row.request.sampling.logprobs
+                self.backend._advance(row, token, self.emit, None if (
+                    logprobs is None or top is None)
+                    else self.backend.position(logprobs[i], token, top))
             done.append(row.done)
         self.on_token()
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)

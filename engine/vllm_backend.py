@@ -38,14 +38,16 @@ from engined.engine.backend import (
     Finished,
     Load,
     ProgressFn,
+    PromptLogprobs,
     RequestRejected,
     fallback_chat_prompt,
+    first_position,
     torch_gpu_memory,
 )
 from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
 
 if TYPE_CHECKING:
-    from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory
+    from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Position
 
 # Set before vLLM is imported (vllm.envs reads them then, some of them once).
 _FORCED_ENV = {
@@ -236,7 +238,8 @@ class VllmBackend:
                 repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
                 frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias) or None,
                 min_tokens=max(0, s.min_tokens - request.resumed), ignore_eos=s.ignore_eos,
-                stop_token_ids=list(s.stop_token_ids) or None, output_kind=self._delta)
+                stop_token_ids=list(s.stop_token_ids) or None, logprobs=s.logprobs,
+                prompt_logprobs=s.prompt_logprobs, output_kind=self._delta)
             self.engine.add_request(request.id,
                                     self._tokens_prompt(prompt_token_ids=list(request.prompt_ids)),
                                     params)
@@ -264,6 +267,13 @@ class VllmBackend:
             completion = out.outputs[0] if out.outputs else None
             ids = list(completion.token_ids) if completion is not None else []
             text = completion.text if completion is not None else ""
+            logprobs = _positions(getattr(completion, "logprobs", None))
+            if getattr(out, "prompt_logprobs", None):  # with the first output only
+                prompt = _positions(out.prompt_logprobs) or []
+                first = list(out.prompt_token_ids or [])[:1]
+                if prompt and not prompt[0] and first:  # nothing comes before it
+                    prompt[0] = first_position(first[0], self.tokenizer.decode(first))
+                emit(PromptLogprobs(request_id, prompt))
             reason = None
             if out.finished:
                 reason = _finish_reason(getattr(completion, "finish_reason", None))
@@ -273,8 +283,10 @@ class VllmBackend:
                 if reason == "stop" and ids and not isinstance(
                         getattr(completion, "stop_reason", None), str):
                     ids.pop()
+                    if logprobs:
+                        logprobs.pop()
             if ids or text:
-                emit(Delta(request_id, ids, text))  # may abort it (a stop string)
+                emit(Delta(request_id, ids, text, logprobs))  # may abort it (a stop string)
             if reason is not None and request_id in self.live:
                 self.live.discard(request_id)
                 emit(Finished(request_id, reason))
@@ -298,7 +310,9 @@ class VllmBackend:
     def warm_up(self) -> None:
         from engined.engine.protocol import Sampling
 
-        self.add(Admission(_WARM_UP_ID, self.tokenize("warm-up"), 2, Sampling(max_tokens=2)))
+        # with logprobs: their first use costs vLLM seconds (a stall, if a request paid it)
+        self.add(Admission(_WARM_UP_ID, self.tokenize("warm-up"), 2,
+                           Sampling(max_tokens=2, logprobs=1, prompt_logprobs=1)))
         for _ in range(_WARM_UP_MAX_STEPS):
             if not self.has_work():
                 return
@@ -335,6 +349,18 @@ class VllmBackend:
         self.tokenizer = None
         gc.collect()
         return report
+
+
+def _positions(logprobs: Any) -> list[Position] | None:
+    """vLLM's logprobs (per position a {token id: Logprob} in its order, the sampled or prompt
+    token first, or None for a prompt's first position) as the protocol's positions."""
+    from engined.engine.protocol import TokenLogprob
+
+    if logprobs is None:
+        return None
+    return [[TokenLogprob(int(token), float(lp.logprob), int(lp.rank or 0),
+                          lp.decoded_token or "") for token, lp in position.items()]
+            if position else [] for position in logprobs]
 
 
 def _rejection_types() -> tuple[type[BaseException], ...]:

@@ -12,7 +12,16 @@ from typing import Any
 
 from aiohttp import web
 
-from engined.supervisor.gateway.openai import Answer, ApiError, Batch, Job, Usage, outcome
+from engined.supervisor.gateway.openai import (
+    Answer,
+    ApiError,
+    Batch,
+    Echoed,
+    Job,
+    Logprobs,
+    Usage,
+    outcome,
+)
 from engined.supervisor.gateway.relay import Done, Piece, Relay
 
 Item = Piece | Done
@@ -42,22 +51,25 @@ class Choices:
         started = self.clock()
         first: list[bool] = []
 
-        async def collect(run: AsyncGenerator[Item, None]) -> tuple[str, Done]:
-            text: list[str] = []
+        async def collect(run: AsyncGenerator[Item, None]) -> tuple[Echoed, Done]:
+            said = Echoed(positions=[] if batch.first.logprobs is not None else None)
             async for item in run:
                 if isinstance(item, Done):
-                    return "".join(text), item
+                    return said, item
                 if not first:
                     first.append(True)
                     self.on_first(batch.first.model, self.clock() - started)
-                text.append(item.text)
+                said.text += item.text
+                said.prompt = said.prompt or item.prompt
+                if said.positions is not None and item.logprobs is not None:
+                    said.positions.extend(item.logprobs)
             raise AssertionError("a relayed request ends with Done")
 
         results = await all_or_none([collect(run) for run in runs])
         answer = Answer(batch.first, rid)
         usage = _usage(batch, [done for _, done in results])
         return "ok", web.json_response(answer.full(
-            [(text, done.finish_reason) for text, done in results], usage))
+            [(said, done.finish_reason) for said, done in results], usage))
 
 
 class _Stream:
@@ -69,6 +81,25 @@ class _Stream:
         self.choices, self.request, self.batch, self.runs = choices, request, batch, runs
         self.job: Job = batch.first
         self.answer = Answer(self.job, request["request_id"])
+        self.logprobs: dict[int, Logprobs] = {}  # per choice: its text offsets go on
+
+    async def _piece(self, response: web.StreamResponse, index: int, piece: Piece,
+                     first: bool) -> None:
+        """A choice's new tokens as one event (with `echo`, its first begins with the prompt);
+        nothing for a piece with nothing to show, unless it opens the choice."""
+        said = Echoed(piece.text, list(piece.logprobs or []), piece.prompt if first else None)
+        if not first:
+            said = Echoed("" if self.job.echo_only else piece.text,
+                          [] if self.job.echo_only else list(piece.logprobs or []))
+        text, positions = self.answer.shown(said) if first else (said.text,
+                                                                  said.positions or [])
+        logprobs = None
+        if self.job.logprobs is not None:
+            shape = self.logprobs.setdefault(index, Logprobs(self.job))
+            logprobs = shape.render(positions) if positions else None
+        if text or positions or first:
+            await _sse(response, self.answer.chunk(text, first=first, index=index,
+                                                   logprobs=logprobs))
 
     async def run(self) -> tuple[str, web.StreamResponse]:
         started = self.choices.clock()
@@ -88,9 +119,7 @@ class _Stream:
                 if isinstance(item, Piece):
                     if not opened:
                         self.choices.on_first(self.job.model, self.choices.clock() - started)
-                    if item.text or index not in opened:
-                        await _sse(response, self.answer.chunk(
-                            item.text, first=index not in opened, index=index))
+                    await self._piece(response, index, item, index not in opened)
                     opened.add(index)
                 elif isinstance(item, Done):
                     if index not in opened:  # nothing came before its end: open it anyway

@@ -2,9 +2,11 @@
 OpenAI's answers (a command engine's requests pass through to its own server: gateway.proxy).
 
 Sampling takes OpenAI's fields and vLLM's extras (top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids; penalties and logit_bias too). What is not supported yet (n > 1,
-best_of, logprobs, echo, suffix, tools, non-text response formats) is a 400 naming the field,
-never silently ignored. The defaults are
+ignore_eos, stop_token_ids; penalties and logit_bias too); `n` and batches of prompts (see
+gateway.choices); logprobs as vLLM answers them: completions' `logprobs` (the top N, with `echo`
+the prompt's too) and vLLM's `prompt_logprobs`, chat's `logprobs` and `top_logprobs`, from the
+model's raw distribution. What is not supported (best_of > n, suffix, tools, non-text response
+formats) is a 400 naming the field, never silently ignored. The defaults are
 OpenAI's: temperature 1, top_p 1, completions' max_tokens 16 (chat: up to the engine's limit,
 bounded here by MAX_TOKENS_DEFAULT_CHAT).
 """
@@ -65,6 +67,9 @@ class Job:
     sampling: proto.Sampling
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # top logprobs per token in the answer (None: no logprobs)
+    echo: bool = False  # the answer begins with the prompt (completions)
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt alone (one token generated)
 
     def request(self, request_id: str, resume: list[int]) -> proto.GenerateRequest:
         """The engine request. A streamed one is streamed from the engine too, so a request
@@ -73,7 +78,8 @@ class Job:
         costs the engine a message per token), and one that moves starts again."""
         return proto.GenerateRequest(request_id, prompt=self.prompt, prompt_ids=self.prompt_ids,
                                      messages=self.messages, sampling=self.sampling,
-                                     stream=self.stream, resume=resume)
+                                     stream=self.stream, resume=resume,
+                                     echo=self.echo and not resume)
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,8 @@ class Batch:
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
            "stop", "seed", "user", "logprobs", *fields.SAMPLING_FIELDS}
-COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix", "logit_bias"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix", "logit_bias",
+                               "prompt_logprobs"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                          "tool_choice", "functions", "function_call", "response_format",
                          "parallel_tool_calls", "logit_bias", "stream_options"}
@@ -120,21 +127,31 @@ def _completion(body: dict[str, Any]) -> Batch:
     _known(body, COMPLETION_FIELDS)
     model = _model(body)
     n = _n(body)
-    for field_, ok in (("best_of", (None, 1, n)), ("echo", (None, False)),
-                       ("suffix", (None, ""))):
+    for field_, ok in (("best_of", (None, 1, n)), ("suffix", (None, ""))):
         if body.get(field_) not in ok:
             raise bad(field_, f"'{field_}' is not supported")
     prompts = fields.prompts(body.get("prompt"), MAX_CHOICES)
-    sampling = _sampling(body, MAX_TOKENS_DEFAULT_COMPLETION, "max_tokens")
+    echo = fields.flag(body, "echo")
+    echo_only = echo and body.get("max_tokens") == 0  # the prompt alone (lm-eval's scoring)
+    if echo_only:
+        body = {**body, "max_tokens": 1}
+    logprobs = _top(body, "logprobs")
+    prompt_logprobs = _top(body, "prompt_logprobs")
+    if echo and logprobs is not None:  # the echoed prompt comes with its logprobs
+        prompt_logprobs = max(logprobs, prompt_logprobs or 0)
+    sampling = msgspec.structs.replace(
+        fields.sampling(body, "max_tokens", MAX_TOKENS_DEFAULT_COMPLETION, TEMPERATURE_DEFAULT),
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     jobs = [Job("completion", model, text, ids, None, seeded(sampling, j), fields.stream(body),
-                _include_usage(body)) for text, ids in prompts for j in range(n)]
+                _include_usage(body), logprobs, echo or prompt_logprobs is not None, echo_only)
+            for text, ids in prompts for j in range(n)]
     return _batch(jobs, n)
 
 
 def _chat(body: dict[str, Any]) -> Batch:
     _known(body, CHAT_FIELDS)
     model = _model(body)
-    for field_ in ("tools", "functions", "tool_choice", "function_call", "top_logprobs"):
+    for field_ in ("tools", "functions", "tool_choice", "function_call"):
         if body.get(field_) not in (None, [], "none"):
             raise bad(field_, f"'{field_}' is not supported")
     fmt = body.get("response_format")
@@ -143,10 +160,29 @@ def _chat(body: dict[str, Any]) -> Batch:
     messages = fields.messages(body.get("messages"))
     limit_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     n = _n(body)
-    sampling = _sampling(body, MAX_TOKENS_DEFAULT_CHAT, limit_key)
+    logprobs = _chat_logprobs(body)
+    sampling = msgspec.structs.replace(
+        fields.sampling(body, limit_key, MAX_TOKENS_DEFAULT_CHAT, TEMPERATURE_DEFAULT),
+        logprobs=logprobs)
     jobs = [Job("chat", model, "", None, messages, seeded(sampling, j), fields.stream(body),
-                _include_usage(body)) for j in range(n)]
+                _include_usage(body), logprobs) for j in range(n)]
     return _batch(jobs, n)
+
+
+def _top(body: dict[str, Any], key: str) -> int | None:
+    """A count of top logprobs (completions' `logprobs`, vLLM's `prompt_logprobs`), or None."""
+    if body.get(key) is None:
+        return None
+    return fields.integer(body, key, 0, 0, proto.MAX_LOGPROBS)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs: true` with `top_logprobs` N (0 by default), as the top count."""
+    wanted = fields.flag(body, "logprobs")
+    top = _top(body, "top_logprobs")
+    if top is not None and top > 0 and not wanted:
+        raise bad("top_logprobs", "when using 'top_logprobs', 'logprobs' must be set to true")
+    return (top or 0) if wanted else None
 
 
 def _n(body: dict[str, Any]) -> int:
@@ -185,13 +221,6 @@ def _model(body: dict[str, Any]) -> str:
     return model
 
 
-def _sampling(body: dict[str, Any], default_max: int, max_key: str) -> proto.Sampling:
-    """What the engines do not do is refused, never silently ignored."""
-    if body.get("logprobs") not in (None, False, 0):
-        raise bad("logprobs", "'logprobs' is not supported")
-    return fields.sampling(body, max_key, default_max, TEMPERATURE_DEFAULT)
-
-
 def _include_usage(body: dict[str, Any]) -> bool:
     options = body.get("stream_options")
     if options is None:
@@ -215,6 +244,76 @@ class Usage:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
+LOGPROB_FLOOR = -9999.0  # what OpenAI's JSON shows for an impossible token (vLLM's clamp)
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR) if value == value else LOGPROB_FLOOR  # NaN: the floor
+
+
+@dataclass
+class Echoed:
+    """What one choice has said so far: its text, and its tokens' logprobs (with `echo`, the
+    prompt's first)."""
+
+    text: str = ""
+    positions: list[proto.Position] | None = None
+    prompt: proto.PromptEcho | None = None
+
+
+class Logprobs:
+    """One choice's logprobs in OpenAI's shapes, as vLLM answers them: completions' tokens,
+    token_logprobs, top_logprobs (the token, then the top N) and text_offset (continuing over a
+    stream's chunks); chat's content list (the first N of the position)."""
+
+    def __init__(self, job: Job) -> None:
+        self.chat, self.top = job.kind == "chat", job.logprobs or 0
+        self.offset = 0
+
+    def render(self, positions: list[proto.Position]) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [self._chat(p) for p in positions]}
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for position in positions:
+            head = position[0] if position else None
+            token = head.token if head is not None else ""
+            tokens.append(token)
+            if head is None or head.rank == 0:  # the prompt's first token: nothing before it
+                values.append(None)
+                tops.append(None)
+            else:
+                values.append(_logprob(head.logprob))
+                tops.append({e.token: _logprob(e.logprob) for e in position[:self.top + 1]})
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {"text_offset": offsets, "token_logprobs": values, "tokens": tokens,
+                "top_logprobs": tops}
+
+    def _chat(self, position: proto.Position) -> dict[str, Any]:
+        head = position[0] if position else proto.TokenLogprob(0, LOGPROB_FLOOR, 0, "")
+        entry = _chat_token(head)
+        entry["top_logprobs"] = [_chat_token(e) for e in position[:self.top]]
+        return entry
+
+
+def _chat_token(entry: proto.TokenLogprob) -> dict[str, Any]:
+    return {"token": entry.token, "logprob": _logprob(entry.logprob),
+            "bytes": list(entry.token.encode("utf-8", errors="replace"))}
+
+
+def prompt_logprobs_json(prompt: proto.PromptEcho | None) -> list[Any] | None:
+    """vLLM's `prompt_logprobs` field: per prompt position None (the first) or
+    {token id: {logprob, rank, decoded_token}}."""
+    if prompt is None or prompt.logprobs is None:
+        return None
+    return [None if not p or p[0].rank == 0 else
+            {str(e.token_id): {"logprob": _logprob(e.logprob), "rank": e.rank,
+                               "decoded_token": e.token} for e in p} for p in prompt.logprobs]
+
+
 class Answer:
     """Builds one request's OpenAI answer: the whole one, or its SSE chunks."""
 
@@ -228,28 +327,43 @@ class Answer:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.job.model}
 
-    def full(self, choices: list[tuple[str, str]], usage: Usage) -> dict[str, Any]:
-        """The whole answer: (text, finish reason) of each choice, in index order."""
+    def full(self, choices: list[tuple[Echoed, str]], usage: Usage) -> dict[str, Any]:
+        """The whole answer: (what it said, finish reason) of each choice, in index order."""
         out = []
-        for index, (text, finish_reason) in enumerate(choices):
+        for index, (said, finish_reason) in enumerate(choices):
+            text, positions = self.shown(said)
+            logprobs = (Logprobs(self.job).render(positions)
+                        if self.job.logprobs is not None else None)
             if self.job.kind == "chat":
                 out.append({"index": index, "message": {"role": "assistant", "content": text},
-                            "logprobs": None, "finish_reason": finish_reason})
+                            "logprobs": logprobs, "finish_reason": finish_reason})
             else:
-                out.append({"index": index, "text": text, "logprobs": None,
-                            "finish_reason": finish_reason})
+                out.append({"index": index, "text": text, "logprobs": logprobs,
+                            "finish_reason": finish_reason,
+                            "prompt_logprobs": prompt_logprobs_json(said.prompt)})
         return {**self._head(self.object), "choices": out, "usage": usage.json()}
 
+    def shown(self, said: Echoed) -> tuple[str, list[proto.Position]]:
+        """The choice's text and logprobs as the client sees them: with `echo`, the prompt's
+        first (and, for max_tokens 0, only the prompt's)."""
+        text, positions = ("", []) if self.job.echo_only else (said.text,
+                                                               list(said.positions or []))
+        if self.job.echo and self.job.kind == "completion" and said.prompt is not None:
+            prompt = said.prompt
+            echoed = prompt.logprobs or [[] for _ in prompt.token_ids]
+            text, positions = prompt.text + text, [*echoed, *positions]
+        return text, positions
+
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
-              index: int = 0) -> dict[str, Any]:
+              index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.job.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
                 {"content": text} if text or finish_reason is None else {})
-            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         return {**self._head("text_completion"),
-                "choices": [{"index": index, "text": text, "logprobs": None,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs,
                              "finish_reason": finish_reason}]}
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:

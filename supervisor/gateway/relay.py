@@ -34,10 +34,13 @@ log = logging.getLogger("engined.gateway")
 
 @dataclass(frozen=True)
 class Piece:
-    """New text for the client (and the ids it stands for)."""
+    """New text for the client (and the ids it stands for, with their logprobs if asked; the
+    request's first piece carries the prompt when it asked for `echo`)."""
 
     text: str
     token_ids: list[int]
+    logprobs: list[proto.Position] | None = None
+    prompt: proto.PromptEcho | None = None
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,14 @@ class Relay:
                         async for item in _until(stream, deadline, self.clock):
                             if isinstance(item, proto.TokenChunk):
                                 delivered.extend(item.token_ids)
-                                yield Piece(item.text, item.token_ids)
+                                yield Piece(item.text, item.token_ids, item.logprobs,
+                                            item.prompt)
                                 continue
                             if item.error is None:
-                                if item.text or item.token_ids:
+                                if item.text or item.token_ids or item.prompt is not None:
                                     delivered.extend(item.token_ids)
-                                    yield Piece(item.text, item.token_ids)
+                                    yield Piece(item.text, item.token_ids, item.logprobs,
+                                                item.prompt)
                                 yield Done(item.finish_reason or proto.FINISH_STOP,
                                            Usage(item.prompt_tokens, item.completion_tokens),
                                            item.engine, moves)

@@ -75,7 +75,7 @@ def test_errors_are_openai_shaped(gateway):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="nope", prompt="x")
     assert err.value.code == "model_not_found" and "echo" in err.value.message
-    for kwargs, param in [({"n": 2, "temperature": 0}, "n"), ({"logprobs": 2}, "logprobs"),
+    for kwargs, param in [({"n": 2, "temperature": 0}, "n"), ({"logprobs": 21}, "logprobs"),
                           ({"max_tokens": 0}, "max_tokens"), ({"temperature": 3}, "temperature"),
                           ({"stop": ["a"] * 17}, "stop")]:
         with pytest.raises(openai.BadRequestError) as err:
@@ -184,7 +184,7 @@ def test_gateway_metrics(gateway):
     d, client = gateway(supervisor={"http": f"127.0.0.1:{port}"})
     client.completions.create(model="echo", prompt="counted")
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="echo", prompt="x", logprobs=3)
+        client.completions.create(model="echo", prompt="x", logprobs=30)
     import urllib.request
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
@@ -231,3 +231,49 @@ def test_a_batch_of_prompts_and_n_samples_are_choices_and_each_survives_a_death(
         {"role": "user", "content": "say this"}])
     assert [(c.index, c.message.content) for c in chat.choices] == [
         (0, "say this"), (1, "say this"), (2, "say this")]
+
+
+def test_logprobs_and_echo_as_vllm_answers_them_and_kept_across_a_death(gateway):
+    """Completions' logprobs (the token, then the top N), echo with the prompt's logprobs (its
+    first position has none), max_tokens 0 with echo (lm-eval's scoring request), chat's
+    logprobs and top_logprobs; a stream whose replica is SIGKILLed goes on with one logprob per
+    token, none repeated, its text offsets continuous (builtin:echo is certain of each next
+    character: logprob 0, the code points after it at the floor)."""
+    slow = {**ECHO, "env": {"ENGINED_ECHO_TOKEN_MS": "30"}, "stop_timeout": "2s"}
+    d, client = gateway([slow])
+    done = client.completions.create(model="echo", prompt="abc", max_tokens=3, logprobs=2)
+    lp = done.choices[0].logprobs
+    assert (lp.tokens, lp.token_logprobs, lp.text_offset) == (["a", "b", "c"], [0.0] * 3,
+                                                                [0, 1, 2])
+    assert lp.top_logprobs[0] == {"a": 0.0, "b": -9999.0}
+
+    echoed = client.completions.create(model="echo", prompt="xyz", max_tokens=2, echo=True,
+                                       logprobs=0)
+    lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == "xyzxy"
+    assert lp.tokens == list("xyzxy") and lp.token_logprobs == [None, 0.0, 0.0, 0.0, 0.0]
+    assert lp.top_logprobs[0] is None and lp.text_offset == [0, 1, 2, 3, 4]
+    scored = client.completions.create(model="echo", prompt="xyz", max_tokens=0, echo=True,
+                                       logprobs=1, temperature=0)
+    assert (scored.choices[0].text, scored.choices[0].logprobs.tokens) == ("xyz", list("xyz"))
+
+    chat = client.chat.completions.create(model="echo", messages=[
+        {"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert [(c.token, c.logprob, c.bytes) for c in content] == [("h", 0.0, [104]),
+                                                                ("i", 0.0, [105])]
+    assert [t.token for t in content[0].top_logprobs] == ["h", "i"]
+
+    tokens, offsets, killed = [], [], None
+    for chunk in client.completions.create(model="echo", prompt=TEXT, max_tokens=100,
+                                           logprobs=1, echo=True, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                offsets += choice.logprobs.text_offset
+        if killed is None and len(tokens) >= len(TEXT) + 5:
+            killed = _serving(d)
+            os.kill(d.engine(killed)["pid"], signal.SIGKILL)
+    assert "".join(tokens) == TEXT + TEXT  # the prompt once, then each token once
+    assert offsets == list(range(2 * len(TEXT)))
+    assert killed is not None and "moving it" in d.stderr_text()

@@ -22,14 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import psutil
 import pytest
 from driver import (
     PYTHON,
     Daemon,
+    free_port,
     process_gone,
     running_daemon,
 )
+from logprob_cases import check_logprobs
 from sampling_cases import check_sampling_fields
 
 READY_TIMEOUT_S = 120.0  # torch import + load + warm-up, two replicas sharing a small CPU box
@@ -51,16 +54,20 @@ def _tiny(name: str, cache: Path, replicas: int = 1, **extra: Any) -> dict[str, 
     return {"name": name, "replicas": replicas, "model": "builtin:tiny-llama", "env": env, **extra}
 
 
-def _daemon(engines: list[dict[str, Any]]) -> contextlib.AbstractContextManager[Daemon]:
-    return running_daemon(engines, SUPERVISOR, DEFAULTS, prefix="eg")
+def _daemon(engines: list[dict[str, Any]], **supervisor: Any
+            ) -> contextlib.AbstractContextManager[Daemon]:
+    return running_daemon(engines, {**SUPERVISOR, **supervisor}, DEFAULTS, prefix="eg")
 
 
 @pytest.fixture(scope="module")
 def fleet(tiny_cache: Path) -> Iterator[Daemon]:
-    """tiny-0 and tiny-1, with the `!raise` / `!stall` fault-injection prompts enabled."""
+    """tiny-0 and tiny-1, with the `!raise` / `!stall` fault-injection prompts enabled, and the
+    gateway (its port in `gateway_port`)."""
     engines = [_tiny("tiny", tiny_cache, replicas=2, env={"ENGINED_FAULT_INJECTION": "1"})]
-    with _daemon(engines) as daemon:
+    port = free_port()
+    with _daemon(engines, gateway=f"127.0.0.1:{port}") as daemon:
         daemon.wait_all_ready(READY_TIMEOUT_S)
+        daemon.gateway_port = port  # type: ignore[attr-defined]
         yield daemon
 
 
@@ -151,6 +158,12 @@ def test_vllms_sampling_fields_on_the_transformers_backend(ready_fleet: Daemon,
         return code, json.loads(raw)
 
     check_sampling_fields(post, "tiny-0", tiny_checkpoint)
+
+
+def test_logprobs_on_the_transformers_backend(ready_fleet: Daemon, tiny_checkpoint: Path):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ready_fleet.gateway_port}/v1",
+                           api_key="none", max_retries=0, timeout=120)
+    check_logprobs(client, "tiny", tiny_checkpoint)
 
 
 def test_daemon_never_maps_torch(ready_fleet: Daemon):

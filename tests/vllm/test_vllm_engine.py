@@ -36,6 +36,7 @@ from driver import (
     running_daemon,
     wait_engines_gone,
 )
+from logprob_cases import check_logprobs
 from sampling_cases import check_sampling_fields
 
 pytestmark = pytest.mark.vllm
@@ -208,6 +209,14 @@ def test_vllms_serving_benchmark_loses_nothing_while_a_replica_is_killed(
 
 def test_vllms_sampling_fields_on_the_vllm_backend(ready_fleet: Daemon, tiny_checkpoint: Path):
     check_sampling_fields(lambda body: _post(ready_fleet, body), "vllm-0", tiny_checkpoint)
+
+def test_logprobs_on_the_vllm_backend(ready_fleet: Daemon, tiny_checkpoint: Path):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ready_fleet.gateway_port}/v1",
+                           api_key="none", max_retries=0, timeout=120)  # type: ignore[attr-defined]
+    check_logprobs(client, "vllm", tiny_checkpoint)
+
 
 def test_generates_completions_chats_stops_and_rejects(ready_fleet: Daemon):
     d = ready_fleet
