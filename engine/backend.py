@@ -32,6 +32,15 @@ class RequestRejected(Exception):
     """This request is invalid for this engine (too long, a bad token id): the client's error."""
 
 
+def refuse_structured(sampling: Sampling, backend: str) -> None:
+    """What only vLLM's structured-output backend does: RequestRejected naming the field."""
+    for name in ("response_format", "structured_outputs"):
+        value = getattr(sampling, name)
+        if value is not None and value != {"type": "text"}:
+            raise RequestRejected(f"'{name}' (structured outputs) needs backend: vllm; the "
+                                  f"{backend} backend cannot constrain its output")
+
+
 @dataclass
 class Admission:
     """A request as the core hands it to the backend: the prompt already in token ids (the

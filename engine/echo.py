@@ -35,6 +35,7 @@ from engined.engine.backend import (
     PromptLogprobs,
     RequestRejected,
     first_position,
+    refuse_structured,
 )
 from engined.engine.protocol import Position, TokenLogprob
 
@@ -103,6 +104,7 @@ class EchoBackend:
 
     # --- requests ----------------------------------------------------------------------------
     def add(self, request: Admission) -> None:
+        refuse_structured(request.sampling, "builtin:echo")
         if len(request.prompt_ids) > MAX_ECHO_PROMPT:
             raise RequestRejected(f"prompt of {len(request.prompt_ids)} tokens is longer than "
                                   f"{MAX_ECHO_PROMPT}")

@@ -141,6 +141,10 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] = []  # generating one of these ends the request (finish: stop)
     logprobs: int | None = None  # per generated token: its logprob and the top N (0: only its)
     prompt_logprobs: int | None = None  # the same for each prompt token (the first has none)
+    # structured outputs, as the client sent them (OpenAI's and vLLM's fields, read by vLLM's
+    # own code in the vLLM backend; the other backends reject them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -35,6 +35,7 @@ from engined.engine.backend import (
     RequestRejected,
     fallback_chat_prompt,
     first_position,
+    refuse_structured,
     torch_gpu_memory,
 )
 from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
@@ -162,6 +163,7 @@ class HFBackend:
 
     # --- requests ----------------------------------------------------------------------------
     def add(self, request: Admission) -> None:
+        refuse_structured(request.sampling, "transformers")
         ids = request.prompt_ids
         if not ids:
             raise RequestRejected("empty prompt")

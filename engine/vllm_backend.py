@@ -47,7 +47,7 @@ from engined.engine.backend import (
 from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
 
 if TYPE_CHECKING:
-    from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Position
+    from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Position, Sampling
 
 # Set before vLLM is imported (vllm.envs reads them then, some of them once).
 _FORCED_ENV = {
@@ -212,6 +212,7 @@ class VllmBackend:
         self.scheduler: Any = getattr(getattr(engine.engine_core, "engine_core", None),
                                       "scheduler", None)
         self.live: set[str] = set()  # added and neither finished nor aborted
+        self._structured_types = _structured_types()  # imported now, not in a step
 
     # --- tokens ------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -239,13 +240,27 @@ class VllmBackend:
                 frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias) or None,
                 min_tokens=max(0, s.min_tokens - request.resumed), ignore_eos=s.ignore_eos,
                 stop_token_ids=list(s.stop_token_ids) or None, logprobs=s.logprobs,
-                prompt_logprobs=s.prompt_logprobs, output_kind=self._delta)
+                prompt_logprobs=s.prompt_logprobs, output_kind=self._delta,
+                structured_outputs=self._structured(s))
             self.engine.add_request(request.id,
                                     self._tokens_prompt(prompt_token_ids=list(request.prompt_ids)),
                                     params)
         except self._rejections as exc:  # vLLM's validation: too long, bad token id, ...
             raise RequestRejected(" ".join(str(exc).split()) or type(exc).__name__) from None
         self.live.add(request.id)
+
+    def _structured(self, s: Sampling) -> Any:
+        """vLLM's StructuredOutputsParams from the request's response_format and
+        structured_outputs, read by vLLM's own request code (its ValidationErrors are
+        ValueErrors: the request is rejected with vLLM's words)."""
+        if s.response_format is None and s.structured_outputs is None:
+            return None
+        params_type, formats, combine = self._structured_types
+        params = (params_type(**s.structured_outputs)
+                  if s.structured_outputs is not None else None)
+        response_format = (formats.validate_python(s.response_format)
+                           if s.response_format is not None else None)
+        return combine(params, response_format)
 
     def abort(self, request_id: str) -> None:
         if request_id in self.live:
@@ -361,6 +376,20 @@ def _positions(logprobs: Any) -> list[Position] | None:
     return [[TokenLogprob(int(token), float(lp.logprob), int(lp.rank or 0),
                           lp.decoded_token or "") for token, lp in position.items()]
             if position else [] for position in logprobs]
+
+
+def _structured_types() -> tuple[Any, Any, Any]:
+    """vLLM's own reading of structured-output requests: its params type, its response_format
+    types (pydantic) and how its server combines the two."""
+    from pydantic import TypeAdapter
+    from vllm.entrypoints.generate.base.protocol import (
+        AnyResponseFormat,
+        structured_outputs_from_response_format,
+    )
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return (StructuredOutputsParams, TypeAdapter(AnyResponseFormat),
+            structured_outputs_from_response_format)
 
 
 def _rejection_types() -> tuple[type[BaseException], ...]:

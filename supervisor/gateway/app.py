@@ -30,6 +30,7 @@ from engined.supervisor.gateway.openai import (
     ApiError,
     Batch,
     Usage,
+    check_backend,
     parse_chat,
     parse_completion,
 )
@@ -203,6 +204,9 @@ class Gateway:
                                      self.proxy.forward(request, path, body, model, group,
                                                         deadline, limit))
         batch = parse(body)
+        spec = self.router.spec_of(group)
+        check_backend(batch, "builtin:echo" if spec.model.source == "builtin:echo"
+                      else spec.backend)
         return await self._serve(request, model, group, lambda deadline, limit:
                                  self._relayed(request, batch, group, deadline, limit))
 

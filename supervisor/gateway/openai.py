@@ -71,6 +71,14 @@ class Job:
     echo: bool = False  # the answer begins with the prompt (completions)
     echo_only: bool = False  # max_tokens 0 with echo: the prompt alone (one token generated)
 
+    @property
+    def resumable(self) -> bool:
+        """Whether a stream can go on from its delivered tokens on another engine: not under
+        a structured-output grammar (its state is the engine's; a new engine would start the
+        grammar again after the delivered text). It is still resent before its first byte."""
+        return self.sampling.response_format is None and \
+            self.sampling.structured_outputs is None
+
     def request(self, request_id: str, resume: list[int]) -> proto.GenerateRequest:
         """The engine request. A streamed one is streamed from the engine too, so a request
         that moves resumes after the tokens the client has seen. A client that waits for the
@@ -100,11 +108,14 @@ class Batch:
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
            "stop", "seed", "user", "logprobs", *fields.SAMPLING_FIELDS}
+STRUCTURED_FIELDS = ("response_format", "structured_outputs")
 COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix", "logit_bias",
-                               "prompt_logprobs"}
+                               "prompt_logprobs", *STRUCTURED_FIELDS}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                          "tool_choice", "functions", "function_call", "response_format",
-                         "parallel_tool_calls", "logit_bias", "stream_options"}
+                         "parallel_tool_calls", "logit_bias", "stream_options",
+                         "structured_outputs"}
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 
 
 def parse_completion(body: dict[str, Any]) -> Batch:
@@ -141,7 +152,7 @@ def _completion(body: dict[str, Any]) -> Batch:
         prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     sampling = msgspec.structs.replace(
         fields.sampling(body, "max_tokens", MAX_TOKENS_DEFAULT_COMPLETION, TEMPERATURE_DEFAULT),
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, **_structured(body))
     jobs = [Job("completion", model, text, ids, None, seeded(sampling, j), fields.stream(body),
                 _include_usage(body), logprobs, echo or prompt_logprobs is not None, echo_only)
             for text, ids in prompts for j in range(n)]
@@ -154,19 +165,51 @@ def _chat(body: dict[str, Any]) -> Batch:
     for field_ in ("tools", "functions", "tool_choice", "function_call"):
         if body.get(field_) not in (None, [], "none"):
             raise bad(field_, f"'{field_}' is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
     messages = fields.messages(body.get("messages"))
     limit_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     n = _n(body)
     logprobs = _chat_logprobs(body)
     sampling = msgspec.structs.replace(
         fields.sampling(body, limit_key, MAX_TOKENS_DEFAULT_CHAT, TEMPERATURE_DEFAULT),
-        logprobs=logprobs)
+        logprobs=logprobs, **_structured(body))
     jobs = [Job("chat", model, "", None, messages, seeded(sampling, j), fields.stream(body),
                 _include_usage(body), logprobs) for j in range(n)]
     return _batch(jobs, n)
+
+
+def _structured(body: dict[str, Any]) -> dict[str, Any]:
+    """response_format and vLLM's structured_outputs, checked for shape only: the vLLM backend
+    reads them with vLLM's own code (a schema it cannot compile is its 400)."""
+    out: dict[str, Any] = {}
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS:
+            raise bad("response_format", f"'response_format' must be an object whose type is "
+                                         f"one of {', '.join(RESPONSE_FORMATS)}")
+        if fmt["type"] == "json_schema" and not isinstance(fmt.get("json_schema"), dict):
+            raise bad("response_format", "response_format of type json_schema needs "
+                                         "'json_schema': {name, schema}")
+        if fmt != {"type": "text"}:
+            out["response_format"] = fmt
+    wanted = body.get("structured_outputs")
+    if wanted is not None:
+        if not isinstance(wanted, dict) or not wanted:
+            raise bad("structured_outputs", "'structured_outputs' must be an object, e.g. "
+                                            "{\"json\": SCHEMA}, {\"regex\": ...}, "
+                                            "{\"choice\": [...]} or {\"grammar\": ...}")
+        out["structured_outputs"] = wanted
+    return out
+
+
+def check_backend(batch: Batch, backend: str) -> None:
+    """What only a vLLM engine does, refused for the others with a 400 naming the field."""
+    if backend == "vllm":
+        return
+    sampling = batch.first.sampling
+    for name in STRUCTURED_FIELDS:
+        if getattr(sampling, name) is not None:
+            raise bad(name, f"'{name}' (structured outputs) needs an engine with backend: "
+                            f"vllm; this model's engines are {backend}")
 
 
 def _top(body: dict[str, Any], key: str) -> int | None:

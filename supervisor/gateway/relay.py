@@ -109,6 +109,12 @@ class Relay:
             finally:
                 self.router.release(lease)
             lost_on.add(lease.incarnation)
+            if delivered and not job.resumable:
+                raise ApiError(503, f"the request lost its engine after {len(delivered)} "
+                                    f"tokens and cannot go on elsewhere (a structured-output "
+                                    f"grammar's state is the engine's): {lost}",
+                               kind="server_error", code="cannot_move",
+                               headers={"Retry-After": "1"})
             moves = moved(request_id, lost, moves, limit, len(delivered))
             self.on_move(job.model)
 

@@ -85,6 +85,10 @@ def test_errors_are_openai_shaped(gateway):
         client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "x"}],
                                        tools=[{"type": "function", "function": {"name": "f"}}])
     assert err.value.param == "tools"
+    with pytest.raises(openai.BadRequestError) as err:  # structured outputs need vLLM
+        client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_object"})
+    assert err.value.param == "response_format" and "builtin:echo" in err.value.message
     raw = client.completions.with_raw_response.create(model="echo", prompt="id",
                                                       extra_headers={"X-Request-Id": "abc-123"})
     assert raw.headers["x-request-id"] == "abc-123"

@@ -160,10 +160,15 @@ def test_vllms_sampling_fields_on_the_transformers_backend(ready_fleet: Daemon,
     check_sampling_fields(post, "tiny-0", tiny_checkpoint)
 
 
-def test_logprobs_on_the_transformers_backend(ready_fleet: Daemon, tiny_checkpoint: Path):
+def test_logprobs_and_what_the_transformers_backend_refuses(ready_fleet: Daemon,
+                                                            tiny_checkpoint: Path):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{ready_fleet.gateway_port}/v1",
                            api_key="none", max_retries=0, timeout=120)
     check_logprobs(client, "tiny", tiny_checkpoint)
+    with pytest.raises(openai.BadRequestError) as err:  # what this backend cannot do: named
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"structured_outputs": {"regex": "[0-9]+"}})
+    assert err.value.param == "structured_outputs" and "transformers" in err.value.message
 
 
 def test_daemon_never_maps_torch(ready_fleet: Daemon):

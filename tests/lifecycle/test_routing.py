@@ -11,9 +11,9 @@ import signal
 import pytest
 
 from engined.engine import protocol as proto
-from engined.supervisor.gateway.openai import parse_completion
-from engined.supervisor.gateway.relay import Done, Relay
-from engined.supervisor.ipc import RequestFailed
+from engined.supervisor.gateway.openai import ApiError, parse_completion
+from engined.supervisor.gateway.relay import Done, Piece, Relay
+from engined.supervisor.ipc import EngineLost, RequestFailed
 from engined.supervisor.routing import NoReplica
 from engined.supervisor.state import EngineState as S
 from lifecycle.fakes import HEARTBEAT_INTERVAL_S, World, scenario
@@ -200,6 +200,65 @@ def test_a_lone_unreachable_replica_is_waited_out_not_retried(tmp_path):
         assert channels.sent == ["a-0", "a-0"] and out[-1].moves == 1
         assert w.replica("a-0").view().incarnation == 2
     scenario(tmp_path, [{"name": "a"}], body)
+
+
+class _DiesAfter:
+    """An engine stream that delivers `tokens` then loses its engine."""
+
+    def __init__(self, address, request, tokens: int) -> None:
+        self.address, self.request, self.left = address, request, tokens
+
+    async def next(self, timeout_s=None):
+        if self.left == 0:
+            raise EngineLost(f"{self.address[0]} exited", self.address[0], "exit")
+        self.left -= 1
+        return proto.TokenChunk(self.request.id, self.address[0], self.address[1], [104], "h")
+
+    def close(self) -> None:
+        pass
+
+
+class _DyingChannels(_Channels):
+    """a-0 loses every request after `tokens` tokens; the others answer it whole."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__(dead="")
+        self.tokens = tokens
+
+    def open(self, address, request, wake=()):
+        self.sent.append((address[0], list(request.resume)))
+        if address[0] == "a-0":
+            return _DiesAfter(address, request, self.tokens)
+        return _Answer(address, request)
+
+
+@pytest.mark.parametrize("tokens", [0, 2])
+def test_a_structured_output_stream_moves_only_before_its_first_token(tmp_path, tokens):
+    """Under a structured-output grammar (its state lives in the engine), a stream whose engine
+    dies before its first token is resent; after it, it ends with a 503 naming why instead of
+    continuing under a grammar that would start again. A plain stream moves either way."""
+    async def body(w: World) -> None:
+        await w.start("a-0", "a-1")
+        busy = w.router.pick([w.replica("a-1")])  # a-0 is picked first
+        assert busy is not None
+        for structured in (True, False):
+            channels = _DyingChannels(tokens)
+            relay = Relay(w.router, channels, w.clock.monotonic)  # type: ignore[arg-type]
+            fields = {"response_format": {"type": "json_object"}} if structured else {}
+            job = parse_completion({"model": "a", "prompt": "hi", "max_tokens": 8,
+                                    "stream": True, **fields}).first
+            run = relay.run(job, "a", "rid", w.clock.monotonic() + 60, 3)
+            if structured and tokens:
+                with pytest.raises(ApiError) as err:
+                    await _collect(run)
+                assert (err.value.status, err.value.code) == (503, "cannot_move")
+                assert channels.sent == [("a-0", [])]
+                continue
+            out = await _collect(run)
+            assert channels.sent == [("a-0", []), ("a-1", [104] * tokens)]
+            assert sum(isinstance(item, Piece) for item in out) == tokens + 1
+            assert isinstance(out[-1], Done) and out[-1].moves == 1
+    scenario(tmp_path, [{"name": "a", "replicas": 2}], body)
 
 
 async def _collect(items):

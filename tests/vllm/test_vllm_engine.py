@@ -218,6 +218,48 @@ def test_logprobs_on_the_vllm_backend(ready_fleet: Daemon, tiny_checkpoint: Path
     check_logprobs(client, "vllm", tiny_checkpoint)
 
 
+def test_structured_outputs_through_vllms_own_backend(ready_fleet: Daemon):
+    """response_format (json_schema, json_object) and vLLM's structured_outputs (choice,
+    regex), read by vLLM's own request code and enforced by its grammar backend: a random model
+    can only say what the grammar allows; a schema vLLM cannot read is a 400 in its words."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ready_fleet.gateway_port}/v1",
+                           api_key="none", max_retries=0, timeout=120)  # type: ignore[attr-defined]
+    chat = [{"role": "user", "content": "pick a colour"}]
+    for _ in range(3):
+        choice = client.completions.create(model="vllm", prompt="yes or no?", max_tokens=5,
+                                           extra_body={"structured_outputs": {
+                                               "choice": ["yes", "no"]}})
+        assert choice.choices[0].text in ("yes", "no"), choice
+        digits = client.completions.create(model="vllm", prompt="a number:", max_tokens=5,
+                                           temperature=1.0, extra_body={
+                                               "structured_outputs": {"regex": "[0-9]{3}"}})
+        assert re.fullmatch("[0-9]{3}", digits.choices[0].text), digits
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}},
+              "required": ["colour"], "additionalProperties": False}
+    strict = client.chat.completions.create(
+        model="vllm", messages=chat, max_tokens=200, temperature=0,
+        extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+    assert strict.choices[0].finish_reason == "stop", strict
+    assert json.loads(strict.choices[0].message.content)["colour"] in ("red", "green")
+    answer = client.chat.completions.create(
+        model="vllm", messages=chat, max_tokens=200, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "colour", "schema": schema}})
+    content = answer.choices[0].message.content
+    assert content.lstrip().startswith("{"), answer  # whitespace may fill max_tokens
+    if answer.choices[0].finish_reason == "stop":
+        assert json.loads(content)["colour"] in ("red", "green")
+    anything = client.chat.completions.create(model="vllm", messages=chat, max_tokens=8,
+                                              response_format={"type": "json_object"})
+    assert anything.choices[0].message.content.lstrip().startswith("{"), anything
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="vllm", prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "[0-9", }})
+    assert err.value.status_code == 400
+
+
 def test_generates_completions_chats_stops_and_rejects(ready_fleet: Daemon):
     d = ready_fleet
     code, first = _post(d, {"prompt": "hello world", "max_tokens": 24, "engine": "vllm-0"})
