@@ -105,8 +105,16 @@ class Backend(Protocol):
     # all). Not echo, whose steps cost nothing: the wait would only add latency.
     burst_window: bool
 
-    def tokenize(self, text: str) -> list[int]:
-        """The prompt's token ids (with what the model expects at the start, e.g. BOS)."""
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus output this engine takes."""
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """The prompt's token ids (with what the model expects at the start, e.g. BOS, unless
+        not `special`)."""
+
+    def vocab_pieces(self, ids: list[int]) -> list[str]:
+        """The ids' entries in the vocabulary, as the tokenizer stores them (e.g. "Ġthe")."""
 
     def apply_chat_template(self, messages: list[ChatMessage]) -> list[int]:
         """A chat's prompt ids: the tokenizer's template, else the documented fallback."""

@@ -93,8 +93,13 @@ class EchoBackend:
         return cls(float(os.environ.get("ENGINED_ECHO_TOKEN_MS", "0")) / 1000.0)
 
     # --- tokens ------------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
+    max_model_len = MAX_ECHO_PROMPT
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
         return [ord(c) for c in text]
+
+    def vocab_pieces(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
 
     def detokenize(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids if 0 <= i < 0x110000)

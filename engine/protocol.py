@@ -152,6 +152,9 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     content: str
 
 
+TASK_GENERATE, TASK_TOKENIZE, TASK_DETOKENIZE = "generate", "tokenize", "detokenize"
+
+
 class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
     """A completion (`prompt`, or `prompt_ids` given as token ids) or a chat (`messages`: the
     child applies its tokenizer's chat template, or a plain documented fallback). `resume`
@@ -167,6 +170,12 @@ class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
     stream: bool = False  # TokenChunks as tokens come, then the GenerateResult
     resume: list[int] = []
     echo: bool = False  # send the prompt back (its ids, text and logprobs): see `PromptEcho`
+    # "generate", or answered at once without generating: "tokenize" (the prompt's ids, in
+    # the result's token_ids; `token_strs`: their vocabulary pieces too; without
+    # `add_special_tokens`, a text prompt gets no BOS) or "detokenize" (prompt_ids as text)
+    task: str = TASK_GENERATE
+    token_strs: bool = False
+    add_special_tokens: bool = True
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -223,6 +232,8 @@ class GenerateResult(msgspec.Struct, tag="result", frozen=True):
     rejected: bool = False  # the request itself is invalid (a client error: retrying is futile)
     logprobs: list[Position] | None = None  # for token_ids, as in TokenChunk
     prompt: PromptEcho | None = None  # if no chunk carried it
+    token_strs: list[str] | None = None  # a tokenize task's vocabulary pieces, if asked
+    max_model_len: int = 0  # a tokenize task: the longest prompt plus output the engine takes
 
 
 class Results(msgspec.Struct, tag="results", frozen=True):

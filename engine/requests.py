@@ -73,6 +73,9 @@ class RequestTable:
     # --- admission ---------------------------------------------------------------------------
     def admit(self, msg: proto.GenerateRequest) -> None:
         now = self.clock()
+        if msg.task != proto.TASK_GENERATE:
+            self._tokens(msg)
+            return
         if msg.id in self.active:
             self._reply(msg, error=f"request id {msg.id!r} is already running", rejected=True)
             return
@@ -103,6 +106,29 @@ class RequestTable:
             self._reply(msg, error=str(exc), rejected=True)
             return
         self.active[msg.id] = entry
+
+    def _tokens(self, msg: proto.GenerateRequest) -> None:
+        """A tokenize or detokenize task, answered at once (nothing is generated)."""
+        try:
+            if msg.task == proto.TASK_DETOKENIZE:
+                ids = list(msg.prompt_ids or [])
+                self._reply(msg, text=self.backend.detokenize(ids), token_ids=ids,
+                            finish_reason=proto.FINISH_STOP)
+                return
+            if msg.task != proto.TASK_TOKENIZE:
+                raise RequestRejected(f"unknown task {msg.task!r}")
+            ids = (self.backend.tokenize(msg.prompt, special=False)
+                   if not msg.add_special_tokens and msg.prompt and msg.messages is None
+                   else self._prompt_ids(msg))
+            self._reply(msg, token_ids=ids, prompt_tokens=len(ids),
+                        finish_reason=proto.FINISH_STOP,
+                        token_strs=self.backend.vocab_pieces(ids) if msg.token_strs else None,
+                        max_model_len=self.backend.max_model_len)
+        except RequestRejected as exc:
+            self._reply(msg, error=str(exc), rejected=True)
+        except (ValueError, TypeError, IndexError, OverflowError, KeyError) as exc:
+            self._reply(msg, error=f"cannot {msg.task} that: {type(exc).__name__}: {exc}",
+                        rejected=True)
 
     def _prompt_ids(self, msg: proto.GenerateRequest) -> list[int]:
         if msg.messages is not None:

@@ -147,8 +147,15 @@ class HFBackend:
         self.max_length = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
 
     # --- tokens ------------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+    @property
+    def max_model_len(self) -> int:
+        return self.max_length
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def vocab_pieces(self, ids: list[int]) -> list[str]:
+        return [str(p) for p in self.tokenizer.convert_ids_to_tokens(ids)]
 
     def detokenize(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))

@@ -215,8 +215,15 @@ class VllmBackend:
         self._structured_types = _structured_types()  # imported now, not in a step
 
     # --- tokens ------------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.model_config.max_model_len)
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
+
+    def vocab_pieces(self, ids: list[int]) -> list[str]:
+        return [str(p) for p in self.tokenizer.convert_ids_to_tokens(ids)]
 
     def detokenize(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -65,3 +66,26 @@ def check_logprobs(client: openai.OpenAI, model: str, checkpoint: Path) -> None:
     for entry in content:
         assert len(entry.top_logprobs) == 2 and entry.logprob <= 0, entry
         assert math.isclose(entry.logprob, entry.top_logprobs[0].logprob, abs_tol=1e-6)
+
+
+def check_tokenize(port: int, model: str, checkpoint: Path) -> None:
+    """/tokenize and /detokenize answered by the engine's own tokenizer: the byte-level
+    vocabulary's ids for "hello", vLLM's shape, and back to the text."""
+    vocab = json.loads((checkpoint / "tokenizer.json").read_text())["model"]["vocab"]
+
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                         json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return json.loads(resp.read())
+
+    plain = post("/tokenize", {"model": model, "prompt": "hello", "add_special_tokens": False,
+                               "return_token_strs": True})
+    assert plain["tokens"] == [vocab[c] for c in "hello"], plain
+    assert plain["token_strs"] == list("hello") and plain["count"] == 5, plain
+    assert plain["max_model_len"] > 5, plain
+    assert post("/detokenize", {"model": model, "tokens": plain["tokens"]}) == {
+        "prompt": "hello"}
+    chat = post("/tokenize", {"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    assert chat["count"] > 2 and chat["count"] == len(chat["tokens"]), chat

@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from engined.supervisor import __version__
+from engined.supervisor.gateway import tokens
 from engined.supervisor.gateway.choices import Choices
 from engined.supervisor.gateway.openai import (
     ApiError,
@@ -104,6 +105,7 @@ class Gateway:
                  api_key: ApiKey, clock: Callable[[], float] = time.monotonic) -> None:
         self.router, self.api_key, self.clock = router, api_key, clock
         self.stats = GatewayStats()
+        self.channels = channels
         self.relay = Relay(router, channels, clock, on_move=self._moved)
         self.choices = Choices(self.relay, clock, self._first)
         self.proxy = Proxy(router, upstream, clock, on_move=self._moved, on_first=self._first)
@@ -125,8 +127,8 @@ class Gateway:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/version", self.version)
-        app.router.add_post("/tokenize", self.by_model)
-        app.router.add_post("/detokenize", self.by_model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.tokenize)
         app.router.add_route("*", "/v1/{tail:.*}", self.by_model)  # the rest of a server's API
         return app
 
@@ -210,10 +212,31 @@ class Gateway:
         return await self._serve(request, model, group, lambda deadline, limit:
                                  self._relayed(request, batch, group, deadline, limit))
 
-    async def by_model(self, request: web.Request) -> web.StreamResponse:
+    async def tokenize(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's /tokenize and /detokenize: the model's server answers (a command engine), or
+        one of its engines with its own tokenizer. `model` may be left out when one is served."""
+        body = await _body(request)
+        models = self.router.models()
+        if body.get("model") is None and len(models) == 1:
+            body = {**body, "model": next(iter(models))}
+        model, group = self._model_group(body)
+        if self._proxied(group):
+            return await self.by_model(request, body)
+        detokenize = request.path == "/detokenize"
+        ask = tokens.detokenize_request(body) if detokenize else tokens.tokenize_request(body)
+
+        async def run(deadline: float, limit: int) -> tuple[str, web.StreamResponse]:
+            result = await tokens.ask(self.router, self.channels, self.clock, group, ask,
+                                      deadline, limit)
+            return "ok", web.json_response(tokens.answer(ask, result))
+        return await self._serve(request, model, group, run)
+
+    async def by_model(self, request: web.Request,
+                       body: dict[str, Any] | None = None) -> web.StreamResponse:
         """Any other route of a command engine's server, for the model the body names."""
         path = request.path
-        body = await _body(request) if request.method == "POST" else None
+        if body is None and request.method == "POST":
+            body = await _body(request)
         if body is None:
             raise ApiError(404, f"{request.method} {path} is not served here (a request that "
                                 f"names its model in a JSON body is passed to that model's "

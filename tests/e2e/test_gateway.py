@@ -281,3 +281,39 @@ def test_logprobs_and_echo_as_vllm_answers_them_and_kept_across_a_death(gateway)
     assert "".join(tokens) == TEXT + TEXT  # the prompt once, then each token once
     assert offsets == list(range(2 * len(TEXT)))
     assert killed is not None and "moving it" in d.stderr_text()
+
+
+def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_tokenize_and_detokenize_with_the_engines_own_tokenizer(gateway):
+    """vLLM's /tokenize (a prompt or a chat, token strings if asked) and /detokenize, answered
+    by an engine of the model (builtin:echo: a token is a code point); `model` may be left out
+    when one model is served; bad input is a 400 naming the field."""
+    d, client = gateway()
+    assert _post(d.port, "/tokenize", {"model": "echo", "prompt": "hé"}) == (
+        200, {"count": 2, "max_model_len": 1 << 20, "tokens": [104, 233], "token_strs": None})
+    code, body = _post(d.port, "/tokenize", {"prompt": "ab", "return_token_strs": True})
+    assert (code, body["tokens"], body["token_strs"]) == (200, [97, 98], ["a", "b"])
+    code, body = _post(d.port, "/tokenize", {"model": "echo", "messages": [
+        {"role": "user", "content": "hi"}]})
+    assert (code, body["tokens"]) == (200, [104, 105])  # echo's "template": the last message
+    assert _post(d.port, "/detokenize", {"model": "echo", "tokens": [104, 105]}) == (
+        200, {"prompt": "hi"})
+    for path, body, param in [("/tokenize", {"model": "echo", "prompt": 3}, "prompt"),
+                              ("/detokenize", {"model": "echo", "tokens": ["x"]}, "tokens"),
+                              ("/tokenize", {"model": "echo", "prompt": "x", "nope": 1}, "nope")]:
+        code, answer = _post(d.port, path, body)
+        assert (code, answer["error"]["param"]) == (400, param), (path, answer)
+    code, answer = _post(d.port, "/tokenize", {"model": "nope", "prompt": "x"})
+    assert code == 404 and answer["error"]["code"] == "model_not_found"

@@ -32,7 +32,7 @@ from driver import (
     process_gone,
     running_daemon,
 )
-from logprob_cases import check_logprobs
+from logprob_cases import check_logprobs, check_tokenize
 from sampling_cases import check_sampling_fields
 
 READY_TIMEOUT_S = 120.0  # torch import + load + warm-up, two replicas sharing a small CPU box
@@ -165,6 +165,7 @@ def test_logprobs_and_what_the_transformers_backend_refuses(ready_fleet: Daemon,
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{ready_fleet.gateway_port}/v1",
                            api_key="none", max_retries=0, timeout=120)
     check_logprobs(client, "tiny", tiny_checkpoint)
+    check_tokenize(ready_fleet.gateway_port, "tiny", tiny_checkpoint)
     with pytest.raises(openai.BadRequestError) as err:  # what this backend cannot do: named
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                        extra_body={"structured_outputs": {"regex": "[0-9]+"}})

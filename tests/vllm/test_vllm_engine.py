@@ -36,7 +36,7 @@ from driver import (
     running_daemon,
     wait_engines_gone,
 )
-from logprob_cases import check_logprobs
+from logprob_cases import check_logprobs, check_tokenize
 from sampling_cases import check_sampling_fields
 
 pytestmark = pytest.mark.vllm
@@ -216,6 +216,7 @@ def test_logprobs_on_the_vllm_backend(ready_fleet: Daemon, tiny_checkpoint: Path
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{ready_fleet.gateway_port}/v1",
                            api_key="none", max_retries=0, timeout=120)  # type: ignore[attr-defined]
     check_logprobs(client, "vllm", tiny_checkpoint)
+    check_tokenize(ready_fleet.gateway_port, "vllm", tiny_checkpoint)  # type: ignore[attr-defined]
 
 
 def test_structured_outputs_through_vllms_own_backend(ready_fleet: Daemon):
