@@ -51,6 +51,7 @@ class Admission:
     max_tokens: int  # still to generate (the original max_tokens minus the resumed ids)
     sampling: Sampling
     resumed: int = 0  # how many of prompt_ids are resumed output (the last ones)
+    chat: Any = None  # a chat read by the engine's own frontend (engine.vllm_chat.Chat)
 
 
 @dataclass(frozen=True)

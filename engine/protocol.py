@@ -176,6 +176,10 @@ class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
     task: str = TASK_GENERATE
     token_strs: bool = False
     add_special_tokens: bool = True
+    # a chat read by the engine's own frontend (vLLM engines): the client's body as it came
+    # (messages with tool calls, tools, tool_choice, chat_template_kwargs, ...); the prompt,
+    # tool-choice grammar and output parsing are vLLM's (`messages` is then unused)
+    chat: dict[str, Any] | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -210,6 +214,7 @@ class TokenChunk(msgspec.Struct, tag="tok", frozen=True):
     text: str
     logprobs: list[Position] | None = None
     prompt: PromptEcho | None = None
+    delta: dict[str, Any] | None = None  # a `chat` request: the OpenAI delta for this text
 
 
 class GenerateResult(msgspec.Struct, tag="result", frozen=True):
@@ -233,6 +238,11 @@ class GenerateResult(msgspec.Struct, tag="result", frozen=True):
     logprobs: list[Position] | None = None  # for token_ids, as in TokenChunk
     prompt: PromptEcho | None = None  # if no chunk carried it
     token_strs: list[str] | None = None  # a tokenize task's vocabulary pieces, if asked
+    # a `chat` request: the whole message (not streamed) or the stream's last delta, and the
+    # finish reason the parser implies (tool_calls), if any
+    message: dict[str, Any] | None = None
+    delta: dict[str, Any] | None = None
+    chat_finish: str | None = None
     max_model_len: int = 0  # a tokenize task: the longest prompt plus output the engine takes
 
 
@@ -267,6 +277,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     python: str | None = None  # the child's interpreter (spec `python:`); None: engined's own
     backend: str = "transformers"  # transformers | vllm (builtin:echo ignores it)
     engine_args: dict[str, Any] = {}  # passed to the backend (vLLM's EngineArgs)
+    frontend_args: dict[str, Any] = {}  # vLLM's chat frontend options (tool/reasoning parsers)
 
 
 _control_encoder = msgspec.msgpack.Encoder()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import msgspec
 
@@ -51,6 +51,7 @@ class _Active:
     logprobs: list[proto.Position] | None = None
     held_logprobs: list[proto.Position] = field(default_factory=list)
     prompt: proto.PromptEcho | None = None  # echoed in the first message (then None)
+    chat: Any = None  # a chat read by the backend's frontend (vLLM's parsers)
 
     @property
     def stops(self) -> list[str]:
@@ -80,7 +81,8 @@ class RequestTable:
             self._reply(msg, error=f"request id {msg.id!r} is already running", rejected=True)
             return
         try:
-            prompt_ids = self._prompt_ids(msg)
+            chat = self._chat(msg)
+            prompt_ids = chat.prompt_ids if chat is not None else self._prompt_ids(msg)
             sampling = msg.sampling
             remaining = sampling.max_tokens - len(msg.resume)
             if sampling.max_tokens < 1:
@@ -94,6 +96,9 @@ class RequestTable:
                             resume_len=len(resume_text), sent_text=len(resume_text))
             if sampling.logprobs is not None:
                 entry.logprobs = []
+            entry.chat = chat
+            if chat is not None and msg.resume:
+                chat.replay(resume_text, list(msg.resume))
             if msg.resume:  # the prompt went back with the first engine's first message
                 sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
             elif msg.echo or sampling.prompt_logprobs is not None:
@@ -101,11 +106,19 @@ class RequestTable:
                     msg.prompt and msg.prompt_ids is None and msg.messages is None)
                     else self.backend.detokenize(prompt_ids))
             self.backend.add(Admission(msg.id, prompt_ids + list(msg.resume), remaining,
-                                       sampling, resumed=len(msg.resume)))
+                                       sampling, resumed=len(msg.resume), chat=chat))
         except RequestRejected as exc:
             self._reply(msg, error=str(exc), rejected=True)
             return
         self.active[msg.id] = entry
+
+    def _chat(self, msg: proto.GenerateRequest) -> Any:
+        if msg.chat is None:
+            return None
+        open_chat = getattr(self.backend, "open_chat", None)
+        if open_chat is None:
+            raise RequestRejected("this engine reads chats itself only with backend: vllm")
+        return open_chat(msg.chat)
 
     def _tokens(self, msg: proto.GenerateRequest) -> None:
         """A tokenize or detokenize task, answered at once (nothing is generated)."""
@@ -207,9 +220,10 @@ class RequestTable:
 
     def _chunk(self, entry: _Active) -> None:
         text = entry.text[entry.sent_text:]
+        delta = entry.chat.delta(text, entry.held_ids, False) if entry.chat else None
         self.send(proto.TokenChunk(entry.msg.id, self.name, self.incarnation, entry.held_ids,
                                    text, logprobs=self._held_logprobs(entry),
-                                   prompt=entry.prompt))
+                                   prompt=entry.prompt, delta=delta))
         entry.held_ids, entry.sent_text, entry.prompt = [], len(entry.text), None
 
     @staticmethod
@@ -226,7 +240,15 @@ class RequestTable:
         stream = entry.msg.stream
         # streamed: what the chunks did not carry yet; else the whole generated text
         text = entry.text[entry.sent_text:] if stream else entry.text[entry.resume_len:]
-        self._reply(entry.msg, text=text, token_ids=entry.held_ids if stream else entry.ids,
+        said: dict[str, Any] = {}
+        if entry.chat is not None and stream:
+            said = {"delta": entry.chat.delta(text, entry.held_ids, True),
+                    "chat_finish": entry.chat.stream_finish(reason)}
+        elif entry.chat is not None:
+            message, finish = entry.chat.message(text, entry.ids, reason)
+            said = {"message": message, "chat_finish": finish}
+        self._reply(entry.msg, **said, text=text,
+                    token_ids=entry.held_ids if stream else entry.ids,
                     logprobs=self._held_logprobs(entry) if stream else entry.logprobs,
                     prompt=entry.prompt, finish_reason=reason,
                     prompt_tokens=entry.prompt_tokens,

@@ -45,6 +45,7 @@ from engined.engine.backend import (
     torch_gpu_memory,
 )
 from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
+from engined.engine.vllm_chat import Chat, ChatFrontend
 
 if TYPE_CHECKING:
     from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Position, Sampling
@@ -102,6 +103,7 @@ def build_vllm_backend(config: EngineConfig, progress: ProgressFn) -> VllmBacken
         if signal.getsignal(sig) is not handler:
             signal.signal(sig, handler)
     built = VllmBackend(engine, device, dtype, list(config.gpus), torch)
+    built.frontend = ChatFrontend(built.tokenizer, engine.model_config, config.frontend_args)
     progress("warmup", "one short generate")
     built.warm_up()
     return built
@@ -213,6 +215,7 @@ class VllmBackend:
                                       "scheduler", None)
         self.live: set[str] = set()  # added and neither finished nor aborted
         self._structured_types = _structured_types()  # imported now, not in a step
+        self.frontend: ChatFrontend | None = None  # vLLM's chat frontend (spec frontend_args)
 
     # --- tokens ------------------------------------------------------------------------------
     @property
@@ -229,12 +232,20 @@ class VllmBackend:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def apply_chat_template(self, messages: list[ChatMessage]) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None):
+        template = self.frontend.template if self.frontend is not None else None
+        if template or getattr(self.tokenizer, "chat_template", None):
             chat = [{"role": m.role, "content": m.content} for m in messages]
             ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False)
+                                                     chat_template=template, tokenize=True,
+                                                     return_dict=False)
             return list(ids)
         return self.tokenize(fallback_chat_prompt(messages))
+
+    def open_chat(self, body: dict[str, Any]) -> Chat:
+        """A chat read by vLLM's own frontend code (engine.vllm_chat)."""
+        if self.frontend is None:
+            raise RequestRejected("this engine has no chat frontend")
+        return self.frontend.open(body)
 
     # --- requests ----------------------------------------------------------------------------
     def add(self, request: Admission) -> None:
@@ -248,7 +259,10 @@ class VllmBackend:
                 min_tokens=max(0, s.min_tokens - request.resumed), ignore_eos=s.ignore_eos,
                 stop_token_ids=list(s.stop_token_ids) or None, logprobs=s.logprobs,
                 prompt_logprobs=s.prompt_logprobs, output_kind=self._delta,
-                structured_outputs=self._structured(s))
+                structured_outputs=(request.chat.structured if request.chat is not None
+                                    else self._structured(s)),
+                skip_special_tokens=(request.chat.skip_special_tokens
+                                     if request.chat is not None else True))
             self.engine.add_request(request.id,
                                     self._tokens_prompt(prompt_token_ids=list(request.prompt_ids)),
                                     params)

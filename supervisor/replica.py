@@ -427,5 +427,6 @@ class Replica:
             control_endpoint=deps.control_endpoint, request_endpoint=deps.request_endpoint,
             heartbeat_interval_s=deps.heartbeat_interval_s, rendezvous=self.owner.rendezvous,
             python=spec.python, backend=spec.backend,
-            engine_args={key: json.loads(value) for key, value in spec.engine_args})
+            engine_args={key: json.loads(value) for key, value in spec.engine_args},
+            frontend_args={key: json.loads(value) for key, value in spec.frontend_args})
 

@@ -198,17 +198,17 @@ class Gateway:
         return await self._completion(request, "/v1/chat/completions", parse_chat)
 
     async def _completion(self, request: web.Request, path: str,
-                          parse: Callable[[dict[str, Any]], Batch]) -> web.StreamResponse:
+                          parse: Callable[[dict[str, Any], str], Batch]) -> web.StreamResponse:
         body = await _body(request)
         model, group = self._model_group(body)
         if self._proxied(group):  # a command engine: its own server reads the body
             return await self._serve(request, model, group, lambda deadline, limit:
                                      self.proxy.forward(request, path, body, model, group,
                                                         deadline, limit))
-        batch = parse(body)
         spec = self.router.spec_of(group)
-        check_backend(batch, "builtin:echo" if spec.model.source == "builtin:echo"
-                      else spec.backend)
+        backend = "builtin:echo" if spec.model.source == "builtin:echo" else spec.backend
+        batch = parse(body, backend)
+        check_backend(batch, backend)
         return await self._serve(request, model, group, lambda deadline, limit:
                                  self._relayed(request, batch, group, deadline, limit))
 

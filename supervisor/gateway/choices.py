@@ -55,6 +55,7 @@ class Choices:
             said = Echoed(positions=[] if batch.first.logprobs is not None else None)
             async for item in run:
                 if isinstance(item, Done):
+                    said.message = item.message
                     return said, item
                 if not first:
                     first.append(True)
@@ -87,6 +88,15 @@ class _Stream:
                      first: bool) -> None:
         """A choice's new tokens as one event (with `echo`, its first begins with the prompt);
         nothing for a piece with nothing to show, unless it opens the choice."""
+        if piece.delta is not None:  # a chat the engine's frontend read (tools, reasoning)
+            logprobs = None
+            if self.job.logprobs is not None and piece.logprobs:
+                shape = self.logprobs.setdefault(index, Logprobs(self.job))
+                logprobs = shape.render(list(piece.logprobs))
+            if piece.delta or first or logprobs:
+                await _sse(response, self.answer.chunk(piece.text, first=first, index=index,
+                                                       logprobs=logprobs, parsed=piece.delta))
+            return
         said = Echoed(piece.text, list(piece.logprobs or []), piece.prompt if first else None)
         if not first:
             said = Echoed("" if self.job.echo_only else piece.text,

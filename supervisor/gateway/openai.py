@@ -70,14 +70,17 @@ class Job:
     logprobs: int | None = None  # top logprobs per token in the answer (None: no logprobs)
     echo: bool = False  # the answer begins with the prompt (completions)
     echo_only: bool = False  # max_tokens 0 with echo: the prompt alone (one token generated)
+    chat: dict[str, Any] | None = None  # a chat the engine reads itself (vLLM's frontend)
 
     @property
     def resumable(self) -> bool:
         """Whether a stream can go on from its delivered tokens on another engine: not under
         a structured-output grammar (its state is the engine's; a new engine would start the
         grammar again after the delivered text). It is still resent before its first byte."""
+        forced = self.chat is not None and self.chat.get("tool_choice") not in (
+            None, "none", "auto")  # a tool call's grammar
         return self.sampling.response_format is None and \
-            self.sampling.structured_outputs is None
+            self.sampling.structured_outputs is None and not forced
 
     def request(self, request_id: str, resume: list[int]) -> proto.GenerateRequest:
         """The engine request. A streamed one is streamed from the engine too, so a request
@@ -87,7 +90,7 @@ class Job:
         return proto.GenerateRequest(request_id, prompt=self.prompt, prompt_ids=self.prompt_ids,
                                      messages=self.messages, sampling=self.sampling,
                                      stream=self.stream, resume=resume,
-                                     echo=self.echo and not resume)
+                                     echo=self.echo and not resume, chat=self.chat)
 
 
 @dataclass(frozen=True)
@@ -116,9 +119,12 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "t
                          "parallel_tool_calls", "logit_bias", "stream_options",
                          "structured_outputs"}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
+# what only a vLLM engine's own frontend reads (vLLM's chat request fields)
+VLLM_CHAT_FIELDS = {"chat_template_kwargs", "include_reasoning", "add_generation_prompt",
+                    "continue_final_message", "skip_special_tokens", "reasoning_effort"}
 
 
-def parse_completion(body: dict[str, Any]) -> Batch:
+def parse_completion(body: dict[str, Any], backend: str = "") -> Batch:
     """A completion request; ApiError 400 naming the field."""
     try:
         return _completion(body)
@@ -126,10 +132,12 @@ def parse_completion(body: dict[str, Any]) -> Batch:
         raise bad(exc.param, exc.message) from None
 
 
-def parse_chat(body: dict[str, Any]) -> Batch:
-    """A chat completion request; ApiError 400 naming the field."""
+def parse_chat(body: dict[str, Any], backend: str = "") -> Batch:
+    """A chat completion request; ApiError 400 naming the field. For a vLLM engine (`backend`)
+    the engine reads the chat itself with vLLM's frontend (tools, tool messages, reasoning):
+    only what the gateway needs is checked here."""
     try:
-        return _chat(body)
+        return _chat(body, backend == "vllm")
     except fields.BadField as exc:
         raise bad(exc.param, exc.message) from None
 
@@ -159,13 +167,24 @@ def _completion(body: dict[str, Any]) -> Batch:
     return _batch(jobs, n)
 
 
-def _chat(body: dict[str, Any]) -> Batch:
-    _known(body, CHAT_FIELDS)
+def _chat(body: dict[str, Any], frontend: bool) -> Batch:
+    _known(body, CHAT_FIELDS | (VLLM_CHAT_FIELDS if frontend else set()))
     model = _model(body)
-    for field_ in ("tools", "functions", "tool_choice", "function_call"):
-        if body.get(field_) not in (None, [], "none"):
-            raise bad(field_, f"'{field_}' is not supported")
-    messages = fields.messages(body.get("messages"))
+    if frontend:
+        messages: list[proto.ChatMessage] = []
+        value = body.get("messages")
+        if not isinstance(value, list) or not value or len(value) > fields.MAX_MESSAGES \
+                or not all(isinstance(m, dict) for m in value):
+            raise bad("messages", f"'messages' must be a non-empty list of objects (at most "
+                                  f"{fields.MAX_MESSAGES})")
+        if "functions" in body or "function_call" in body:
+            raise bad("functions", "'functions' is OpenAI's deprecated form: send 'tools'")
+    else:
+        for field_ in ("tools", "functions", "tool_choice", "function_call"):
+            if body.get(field_) not in (None, [], "none"):
+                raise bad(field_, f"'{field_}' needs an engine with backend: vllm (and its "
+                                  f"frontend_args tool_call_parser)")
+        messages = fields.messages(body.get("messages"))
     limit_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     n = _n(body)
     logprobs = _chat_logprobs(body)
@@ -173,7 +192,8 @@ def _chat(body: dict[str, Any]) -> Batch:
         fields.sampling(body, limit_key, MAX_TOKENS_DEFAULT_CHAT, TEMPERATURE_DEFAULT),
         logprobs=logprobs, **_structured(body))
     jobs = [Job("chat", model, "", None, messages, seeded(sampling, j), fields.stream(body),
-                _include_usage(body), logprobs) for j in range(n)]
+                _include_usage(body), logprobs, chat=body if frontend else None)
+            for j in range(n)]
     return _batch(jobs, n)
 
 
@@ -302,6 +322,7 @@ class Echoed:
     text: str = ""
     positions: list[proto.Position] | None = None
     prompt: proto.PromptEcho | None = None
+    message: dict[str, Any] | None = None  # a chat the engine read itself: its message
 
 
 class Logprobs:
@@ -378,7 +399,9 @@ class Answer:
             logprobs = (Logprobs(self.job).render(positions)
                         if self.job.logprobs is not None else None)
             if self.job.kind == "chat":
-                out.append({"index": index, "message": {"role": "assistant", "content": text},
+                message = {"role": "assistant", "content": text}
+                message.update(said.message or {})
+                out.append({"index": index, "message": message,
                             "logprobs": logprobs, "finish_reason": finish_reason})
             else:
                 out.append({"index": index, "text": text, "logprobs": logprobs,
@@ -398,10 +421,14 @@ class Answer:
         return text, positions
 
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
-              index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+              index: int = 0, logprobs: dict[str, Any] | None = None,
+              parsed: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One event; `parsed`: the delta the engine's frontend made of `text` (a vLLM chat)."""
         if self.job.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
                 {"content": text} if text or finish_reason is None else {})
+            if parsed is not None:
+                delta = {"role": "assistant", **parsed} if first else dict(parsed)
             choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}

@@ -16,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from engined.engine import protocol as proto
 from engined.supervisor.gateway.openai import ApiError, Job, Usage
@@ -41,6 +42,7 @@ class Piece:
     token_ids: list[int]
     logprobs: list[proto.Position] | None = None
     prompt: proto.PromptEcho | None = None
+    delta: dict[str, Any] | None = None  # a chat read by the engine's frontend: its delta
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class Done:
     usage: Usage
     engine: str
     moves: int
+    message: dict[str, Any] | None = None  # a chat read by the engine's frontend, whole
 
 
 class Relay:
@@ -85,16 +88,18 @@ class Relay:
                             if isinstance(item, proto.TokenChunk):
                                 delivered.extend(item.token_ids)
                                 yield Piece(item.text, item.token_ids, item.logprobs,
-                                            item.prompt)
+                                            item.prompt, item.delta)
                                 continue
                             if item.error is None:
-                                if item.text or item.token_ids or item.prompt is not None:
+                                if item.text or item.token_ids or item.prompt is not None \
+                                        or item.delta:
                                     delivered.extend(item.token_ids)
                                     yield Piece(item.text, item.token_ids, item.logprobs,
-                                                item.prompt)
-                                yield Done(item.finish_reason or proto.FINISH_STOP,
+                                                item.prompt, item.delta)
+                                yield Done(item.chat_finish or item.finish_reason
+                                           or proto.FINISH_STOP,
                                            Usage(item.prompt_tokens, item.completion_tokens),
-                                           item.engine, moves)
+                                           item.engine, moves, item.message)
                                 return
                             if item.rejected:
                                 raise ApiError(400, item.error, code="rejected_by_engine")

@@ -354,6 +354,37 @@ def _engine_args(problems: _Problems, value: Any, path: str) -> Any:
     return tuple(sorted(pairs))
 
 
+# vLLM's OpenAI frontend options that decide how a chat is rendered and its output read (as
+# `vllm serve` takes them), and their types
+FRONTEND_ARGS: dict[str, type] = {
+    "enable_auto_tool_choice": bool,  # tool_choice auto: the tool parser reads the output
+    "tool_call_parser": str,  # vLLM's tool parser (e.g. hermes, llama3_json, mistral)
+    "reasoning_parser": str,  # vLLM's reasoning parser (e.g. deepseek_r1, qwen3)
+    "chat_template": str,  # a Jinja template, inline or a file's path
+    "exclude_tools_when_tool_choice_none": bool,
+}
+
+
+def _frontend_args(problems: _Problems, value: Any, path: str) -> Any:
+    """vLLM frontend options for a backend: vllm engine's chats (FRONTEND_ARGS): sorted (name,
+    JSON value) pairs; a parser vLLM does not know fails the engine at load (exit 78)."""
+    mapping = _mapping(problems, value, path, null_ok=True)
+    if mapping is None:
+        return _BAD
+    pairs = []
+    for key, item in mapping.items():
+        kind = FRONTEND_ARGS.get(key)
+        if kind is None:
+            problems.add(_join(path, key), f"unknown frontend argument {_show(key)} (one of "
+                                           f"{', '.join(sorted(FRONTEND_ARGS))})")
+        elif not isinstance(item, kind) or (kind is str and not item):
+            wanted = "true or false" if kind is bool else "a non-empty string"
+            problems.add(_join(path, key), f"must be {wanted}, got {_describe(item)}")
+        else:
+            pairs.append((key, json.dumps(item)))
+    return tuple(sorted(pairs))
+
+
 def _env(problems: _Problems, value: Any, path: str) -> Any:
     mapping = _mapping(problems, value, path, null_ok=True)
     if mapping is None:

@@ -123,6 +123,7 @@ class EngineSpec:
     python: str | None = None  # the child's interpreter (its own venv); None: engined's own
     backend: str = "transformers"  # transformers | vllm (builtin:echo: neither)
     engine_args: tuple[tuple[str, str], ...] = ()  # vLLM EngineArgs: (name, JSON value), sorted
+    frontend_args: tuple[tuple[str, str], ...] = ()  # vLLM's chat frontend options, likewise
     served_model_name: str = ""  # the gateway's model name (the group's name by default)
     queue_limit: int = 256  # the gateway's requests per group, in flight or waiting (429 past)
     request_timeout_s: float = 600.0  # a request's whole life in the gateway (503 past)

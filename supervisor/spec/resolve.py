@@ -283,6 +283,11 @@ def _check_backend(problems: _Problems, s: dict[str, _Located], path: str) -> No
     if _any_bad(backend, args):
         return
     args_at = args_at or f"{path}.engine_args"
+    frontend, frontend_at = s["frontend_args"]
+    if frontend and frontend is not _BAD and backend != "vllm":
+        frontend_at = frontend_at or f"{path}.frontend_args"
+        problems.add(frontend_at, f"frontend_args are vLLM's: they need backend: vllm (this "
+                                  f"engine's backend is {backend}){_for(frontend_at, path)}")
     if args and backend != "vllm":
         problems.add(args_at, f"engine_args are passed to vLLM: they need backend: vllm "
                               f"(this engine's backend is {backend}){_for(args_at, path)}")
@@ -433,7 +438,8 @@ def _group_fields(g: _Group) -> dict[str, Any]:
             probe = ProbeSpec() if s["port"] is not None else False
         fields.update(model=ModelSpec(source=f"command:{command[0]}", builtin=None, path=None,
                                       dtype=None),
-                      python=None, backend="command", engine_args=(), launcher="exec")
+                      python=None, backend="command", engine_args=(), frontend_args=(),
+                      launcher="exec")
     else:
         probe = False  # engined's own engines heartbeat
         fields.update(launcher=s["launcher"] or "")  # "": the supervisor's, filled in later

@@ -71,7 +71,9 @@ def fleet(vllm_python: str, tiny_cache: Path) -> Iterator[Daemon]:
     stall_timeout."""
     engine = vllm_engine("vllm", vllm_python, tiny_cache, replicas=2,
                          stall_timeout=f"{STALL_TIMEOUT_S:g}s",
-                         env={"ENGINED_FAULT_INJECTION": "1"})
+                         env={"ENGINED_FAULT_INJECTION": "1"},
+                         frontend_args={"enable_auto_tool_choice": True,
+                                        "tool_call_parser": "hermes"})
     gateway = free_port()
     with running_daemon([engine], {**SUPERVISOR, "gateway": f"127.0.0.1:{gateway}"}, DEFAULTS,
                         prefix="egv") as daemon:
@@ -259,6 +261,72 @@ def test_structured_outputs_through_vllms_own_backend(ready_fleet: Daemon):
         client.completions.create(model="vllm", prompt="x", max_tokens=4,
                                   extra_body={"structured_outputs": {"regex": "[0-9", }})
     assert err.value.status_code == 400
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+# what a Hermes-style model says to call it (forced here: the model's weights are random)
+CALL_REGEX = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n'
+              r"</tool_call>")
+
+
+def test_tool_calls_read_by_vllms_own_parser(ready_fleet: Daemon, tiny_checkpoint: Path):
+    """frontend_args {enable_auto_tool_choice, tool_call_parser: hermes}, as `vllm serve`'s
+    flags: with tool_choice auto, vLLM's Hermes parser turns the model's tool-call text into
+    tool_calls (whole and streamed, finish_reason tool_calls, the markup never shown as
+    content); a named tool choice is held to a call of that function by vLLM's grammar; a
+    conversation with the call and its result goes on."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ready_fleet.gateway_port}/v1",
+                           api_key="none", max_retries=0, timeout=120)  # type: ignore[attr-defined]
+    chat = [{"role": "user", "content": "weather in Paris?"}]
+    forced = {"structured_outputs": {"regex": CALL_REGEX}}
+    whole = client.chat.completions.create(model="vllm", messages=chat, tools=[WEATHER],
+                                           max_tokens=128, temperature=0, extra_body=forced)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls", whole
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name) == ("function", "get_weather")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert "<tool_call>" not in (choice.message.content or "")
+
+    names, arguments, content, finishes = [], "", "", []
+    for chunk in client.chat.completions.create(model="vllm", messages=chat, tools=[WEATHER],
+                                                max_tokens=128, temperature=0, stream=True,
+                                                extra_body=forced):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for delta in c.delta.tool_calls or []:
+                if delta.function and delta.function.name:
+                    names.append(delta.function.name)
+                arguments += (delta.function.arguments or "") if delta.function else ""
+            if c.finish_reason:
+                finishes.append(c.finish_reason)
+    assert names == ["get_weather"] and json.loads(arguments) == {"city": "Paris"}
+    assert finishes == ["tool_calls"] and "<tool_call>" not in content
+
+    # JSON allows any whitespace, which a random model may pick forever: biased away
+    vocab = json.loads((tiny_checkpoint / "tokenizer.json").read_text())["model"]["vocab"]
+    no_space = {str(vocab[c]): -100 for c in ("\u0120", "\u010a", "\u0109", "\u010d")}
+    named = client.chat.completions.create(
+        model="vllm", messages=chat, tools=[WEATHER], max_tokens=128, temperature=0,
+        logit_bias=no_space,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert len(named.choices[0].message.tool_calls) == 1, named.choices[0].message.model_dump()
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather", named
+    json.loads(call.function.arguments)  # what the grammar let a random model say
+
+    follow_up = [*chat, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    answer = client.chat.completions.create(model="vllm", messages=follow_up, tools=[WEATHER],
+                                            max_tokens=4, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length"), answer
 
 
 def test_generates_completions_chats_stops_and_rejects(ready_fleet: Daemon):
