@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from engined.supervisor import __version__
-from engined.supervisor.gateway import tokens
+from engined.supervisor.gateway import responses, tokens
 from engined.supervisor.gateway.choices import Choices
 from engined.supervisor.gateway.openai import (
     ApiError,
@@ -124,6 +124,7 @@ class Gateway:
                               middlewares=[self._errors, self._auth])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/version", self.version)
@@ -229,6 +230,27 @@ class Gateway:
             result = await tokens.ask(self.router, self.channels, self.clock, group, ask,
                                       deadline, limit)
             return "ok", web.json_response(tokens.answer(ask, result))
+        return await self._serve(request, model, group, run)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API: a command engine's server answers it, engined's own engines
+        as a chat (gateway.responses)."""
+        body = await _body(request)
+        model, group = self._model_group(body)
+        if self._proxied(group):
+            return await self.by_model(request, body)
+        job = responses.parse(body)
+        rid = request["request_id"]
+
+        async def run(deadline: float, limit: int) -> tuple[str, web.StreamResponse]:
+            reply = responses.Reply(job, rid, body, self.clock, self._first)
+            answer = self.relay.run(job, group, rid, deadline, limit)
+            try:
+                if job.stream:
+                    return await reply.stream(request, answer)
+                return await reply.whole(answer)
+            finally:
+                await answer.aclose()
         return await self._serve(request, model, group, run)
 
     async def by_model(self, request: web.Request,

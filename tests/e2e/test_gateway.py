@@ -317,3 +317,41 @@ def test_tokenize_and_detokenize_with_the_engines_own_tokenizer(gateway):
         assert (code, answer["error"]["param"]) == (400, param), (path, answer)
     code, answer = _post(d.port, "/tokenize", {"model": "nope", "prompt": "x"})
     assert code == 404 and answer["error"]["code"] == "model_not_found"
+
+
+def test_the_responses_api_whole_and_streamed_and_kept_across_a_death(gateway):
+    """POST /v1/responses with the official client: a string or messages with instructions in,
+    one assistant message out (output_text, usage, incomplete at max_output_tokens), streamed
+    as the API's events; a stream whose replica is SIGKILLed goes on, its text exact; what is
+    not supported is a 400 naming the field."""
+    slow = {**ECHO, "env": {"ENGINED_ECHO_TOKEN_MS": "30"}, "stop_timeout": "2s"}
+    d, client = gateway([slow])
+    done = client.responses.create(model="echo", input="say this back")
+    assert (done.status, done.output_text, done.object) == ("completed", "say this back",
+                                                             "response")
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (13, 13)
+    short = client.responses.create(model="echo", instructions="be brief", max_output_tokens=4,
+                                    input=[{"role": "user", "content": [
+                                        {"type": "input_text", "text": "last words"}]}])
+    assert (short.status, short.output_text) == ("incomplete", "last")
+    assert short.incomplete_details.reason == "max_output_tokens"
+
+    kinds, text, killed = [], "", None
+    for event in client.responses.create(model="echo", input=TEXT, stream=True):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+            if killed is None and len(text) >= 5:
+                killed = _serving(d)
+                os.kill(d.engine(killed)["pid"], signal.SIGKILL)
+        if event.type == "response.completed":
+            final = event.response
+    assert text == TEXT and final.output_text == TEXT
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    assert killed is not None and "moving it" in d.stderr_text()
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="echo", input="x", previous_response_id="resp_1")
+    assert err.value.param == "previous_response_id"

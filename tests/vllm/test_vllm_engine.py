@@ -263,6 +263,19 @@ def test_structured_outputs_through_vllms_own_backend(ready_fleet: Daemon):
     assert err.value.status_code == 400
 
 
+def test_the_responses_api_on_the_vllm_backend(ready_fleet: Daemon):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ready_fleet.gateway_port}/v1",
+                           api_key="none", max_retries=0, timeout=120)  # type: ignore[attr-defined]
+    done = client.responses.create(model="vllm", input="hello", max_output_tokens=4,
+                                   temperature=0)
+    chat = client.chat.completions.create(model="vllm", max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "hello"}])
+    assert done.output_text == chat.choices[0].message.content  # the same chat underneath
+    assert done.usage.output_tokens == chat.usage.completion_tokens
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
