@@ -49,6 +49,7 @@ class Done:
     usage: Usage
     engine: str
     moves: int
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
 class Relay:
@@ -94,7 +95,7 @@ class Relay:
                                                 item.prompt)
                                 yield Done(item.finish_reason or proto.FINISH_STOP,
                                            Usage(item.prompt_tokens, item.completion_tokens),
-                                           item.engine, moves)
+                                           item.engine, moves, item.stop_reason)
                                 return
                             if item.rejected:
                                 raise ApiError(400, item.error, code="rejected_by_engine")
