@@ -150,13 +150,15 @@ def _completion(body: dict[str, Any]) -> Batch:
         body = {**body, "max_tokens": 1}
     logprobs = _top(body, "logprobs")
     prompt_logprobs = _top(body, "prompt_logprobs")
+    if prompt_logprobs and fields.stream(body):  # vLLM's rule: a stream has no place for them
+        raise bad("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true")
     if echo and logprobs is not None:  # the echoed prompt comes with its logprobs
         prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     sampling = msgspec.structs.replace(
         fields.sampling(body, "max_tokens", MAX_TOKENS_DEFAULT_COMPLETION, TEMPERATURE_DEFAULT),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, **_structured(body))
     jobs = [Job("completion", model, text, ids, None, seeded(sampling, j), fields.stream(body),
-                _include_usage(body), logprobs, echo or prompt_logprobs is not None, echo_only)
+                _include_usage(body), logprobs, echo, echo_only)
             for text, ids in prompts for j in range(n)]
     return _batch(jobs, n)
 
