@@ -79,11 +79,14 @@ class PromptLogprobs:
 @dataclass(frozen=True)
 class Finished:
     """A request ended inside the backend: eos or max_tokens (`stop` / `length`), or the
-    backend failed it (`error`, with what went wrong)."""
+    backend failed it (`error`, with what went wrong). A token that ended it (the end of
+    sequence, or one of `stop_token_ids`) was the last Delta's, with no text, as vLLM counts
+    and shows it; `stop_reason` names such a stop token id (vLLM's: None for eos)."""
 
     id: str
     reason: str
     error: str | None = None
+    stop_reason: int | None = None
 
 
 Event = Delta | Finished | PromptLogprobs

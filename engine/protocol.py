@@ -220,7 +220,8 @@ class TokenChunk(msgspec.Struct, tag="tok", frozen=True):
 class GenerateResult(msgspec.Struct, tag="result", frozen=True):
     """A request's end. Not streamed: the whole completion; streamed: only what the chunks did
     not carry. Token counts cover the whole request: prompt_tokens is the original prompt (the
-    resumed ids excluded), completion_tokens includes the resumed ids."""
+    resumed ids excluded), completion_tokens includes the resumed ids, and the end of sequence
+    or stop token that ended it (the last of token_ids, with no text: vLLM's count)."""
 
     id: str
     engine: str
@@ -244,6 +245,9 @@ class GenerateResult(msgspec.Struct, tag="result", frozen=True):
     delta: dict[str, Any] | None = None
     chat_finish: str | None = None
     max_model_len: int = 0  # a tokenize task: the longest prompt plus output the engine takes
+    # vLLM's stop_reason: the stop string or the stop token id that ended it; None for the end
+    # of sequence, max_tokens and the rest
+    stop_reason: int | str | None = None
 
 
 class Results(msgspec.Struct, tag="results", frozen=True):

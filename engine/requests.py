@@ -186,7 +186,7 @@ class RequestTable:
                 self._reply(entry.msg, error=event.error or "the engine failed this request")
                 self.failed += 1
                 return
-            self._finish(entry, event.reason)
+            self._finish(entry, event.reason, event.stop_reason)
 
     def _on_delta(self, entry: _Active, delta: Delta) -> None:
         """Per token of every running request: the common case (no stop strings, not
@@ -208,12 +208,13 @@ class RequestTable:
         # resumed text: the seam)
         checked_from = max(0, len(entry.text) - _longest(stops) + 1)
         entry.text += delta.text
-        cut = _find_stop(entry.text, stops, checked_from)
-        if cut is not None:
+        found = _find_stop(entry.text, stops, checked_from)
+        if found is not None:
+            cut, stop = found
             entry.text = entry.text[:cut]
             entry.stopped = True
             self.backend.abort(entry.msg.id)
-            self._finish(entry, proto.FINISH_STOP)
+            self._finish(entry, proto.FINISH_STOP, stop)
             return
         if stream and delta.text and not _may_begin_stop(entry.text, stops):
             self._chunk(entry)
@@ -233,7 +234,7 @@ class RequestTable:
         held, entry.held_logprobs = entry.held_logprobs, []
         return held
 
-    def _finish(self, entry: _Active, reason: str) -> None:
+    def _finish(self, entry: _Active, reason: str, stop_reason: int | str | None = None) -> None:
         self.active.pop(entry.msg.id, None)
         now = self.clock()
         started = entry.started_at if entry.started_at is not None else now
@@ -250,7 +251,7 @@ class RequestTable:
         self._reply(entry.msg, **said, text=text,
                     token_ids=entry.held_ids if stream else entry.ids,
                     logprobs=self._held_logprobs(entry) if stream else entry.logprobs,
-                    prompt=entry.prompt, finish_reason=reason,
+                    prompt=entry.prompt, finish_reason=reason, stop_reason=stop_reason,
                     prompt_tokens=entry.prompt_tokens,
                     completion_tokens=entry.resumed + len(entry.ids),
                     batch_size=entry.batch_size, queue_s=started - entry.arrived_at,
@@ -283,10 +284,12 @@ def _longest(stops: list[str]) -> int:
     return max((len(s) for s in stops), default=0)
 
 
-def _find_stop(text: str, stops: list[str], start: int) -> int | None:
-    """Where the earliest stop string begins in text[start:], or None."""
-    found = [i for i in (text.find(s, max(0, start)) for s in stops if s) if i >= 0]
-    return min(found) if found else None
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    """Where the earliest stop string begins in text[start:], and which one it is (the first
+    listed, of those that begin there), or None."""
+    found = [(i, s) for i, s in ((text.find(s, max(0, start)), s) for s in stops if s)
+             if i >= 0]
+    return min(found, key=lambda hit: hit[0]) if found else None
 
 
 def _may_begin_stop(text: str, stops: list[str]) -> bool:

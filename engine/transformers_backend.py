@@ -297,10 +297,13 @@ class HFBackend:
         """Row `row` produced `token` (`position`: its logprobs, if asked); True when it is
         done."""
         sampling = row.request.sampling
-        if (token == self.tokenizer.eos_token_id and not sampling.ignore_eos) \
-                or token in sampling.stop_token_ids:
+        eos = token == self.tokenizer.eos_token_id and not sampling.ignore_eos
+        if eos or token in sampling.stop_token_ids:
+            # the token that ended it counts and has its logprobs, but no text (vLLM's way);
+            # vLLM's stop_reason: the stop token id, None for the end of sequence
             row.done = True
-            emit(Finished(row.request.id, "stop"))
+            emit(Delta(row.request.id, [token], "", None if position is None else [position]))
+            emit(Finished(row.request.id, "stop", stop_reason=None if eos else token))
             return True
         row.ids.append(token)
         full = self.detokenize(row.ids)

@@ -313,19 +313,16 @@ class VllmBackend:
             reason = None
             if out.finished:
                 reason = _finish_reason(getattr(completion, "finish_reason", None))
-                # Ended by eos (stop_reason None) or by a stop token id (an int: the model's or
-                # the request's stop_token_ids): vLLM counts that token among the ids, the text
-                # does not have it, nor does HF's backend. Ids and text travel together.
-                if reason == "stop" and ids and not isinstance(
-                        getattr(completion, "stop_reason", None), str):
-                    ids.pop()
-                    if logprobs:
-                        logprobs.pop()
             if ids or text:
+                # Ended by eos or by a stop token id (the model's or the request's
+                # stop_token_ids): that token is the last id, with its logprobs and no text, as
+                # vLLM's server counts and shows it
                 emit(Delta(request_id, ids, text, logprobs))  # may abort it (a stop string)
             if reason is not None and request_id in self.live:
                 self.live.discard(request_id)
-                emit(Finished(request_id, reason))
+                stop_reason = getattr(completion, "stop_reason", None)
+                emit(Finished(request_id, reason, stop_reason=stop_reason if isinstance(
+                    stop_reason, int) and not isinstance(stop_reason, bool) else None))
         on_token()
         if self.live and not self.engine.has_unfinished_requests():
             # vLLM dropped requests without a final output: never leave them waiting forever

@@ -1,11 +1,13 @@
 """engined's own engines' answer to one client request: its choices (each prompt of a batch, `n`
 samples of each) relayed at once, each surviving an engine's death on its own, merged into one
 OpenAI answer or one event stream, as vLLM's server answers them (choice index = prompt index x n
-+ sample; `usage` counts each prompt once and every choice's completion)."""
++ sample; `usage` counts each prompt once and every choice's completion; a stream's choice ends
+with its last tokens and finish_reason in one event, chat's opens with the role)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
@@ -17,9 +19,11 @@ from engined.supervisor.gateway.openai import (
     ApiError,
     Batch,
     Echoed,
+    Ending,
     Job,
     Logprobs,
     Usage,
+    fingerprint,
     outcome,
 )
 from engined.supervisor.gateway.relay import Done, Piece, Relay
@@ -38,16 +42,22 @@ class Choices:
         rid = request["request_id"]
         runs = [self.relay.run(job, group, rid if len(batch.jobs) == 1 else f"{rid}.{i}",
                                deadline, limit) for i, job in enumerate(batch.jobs)]
+        answer = Answer(batch.first, rid, self._fingerprint(group))
         try:
             if batch.first.stream:
-                return await _Stream(self, request, batch, runs).run()
-            return await self._whole(batch, runs, rid)
+                return await _Stream(self, request, batch, runs, answer).run()
+            return await self._whole(batch, runs, answer)
         finally:
             for run in runs:  # closes their engine streams: an unfinished request is aborted
                 await run.aclose()
 
+    def _fingerprint(self, group: str) -> str:
+        spec = self.relay.router.spec_of(group)
+        return fingerprint(repr((spec.model.source, spec.model.dtype, spec.backend,
+                                 spec.engine_args, spec.python)))
+
     async def _whole(self, batch: Batch, runs: list[AsyncGenerator[Item, None]],
-                     rid: str) -> tuple[str, web.Response]:
+                     answer: Answer) -> tuple[str, web.Response]:
         started = self.clock()
         first: list[bool] = []
 
@@ -67,49 +77,60 @@ class Choices:
             raise AssertionError("a relayed request ends with Done")
 
         results = await all_or_none([collect(run) for run in runs])
-        answer = Answer(batch.first, rid)
         usage = _usage(batch, [done for _, done in results])
         return "ok", web.json_response(answer.full(
-            [(said, done.finish_reason) for said, done in results], usage))
+            [(said, _ending(done)) for said, done in results], usage))
 
 
 class _Stream:
     """Server-sent events of every choice, as they come; an error after the stream began is an
-    `error` event (and the choices still running are aborted)."""
+    `error` event (and the choices still running are aborted).
+
+    As vLLM's server: a choice's last tokens and its finish_reason are one event (a choice's
+    end that the engine sent with its last tokens is here with them: the relay yields both at
+    once), chat opens every choice with its role when the first of them has something, and a
+    completion's first event with `echo` begins with the prompt."""
 
     def __init__(self, choices: Choices, request: web.Request, batch: Batch,
-                 runs: list[AsyncGenerator[Item, None]]) -> None:
+                 runs: list[AsyncGenerator[Item, None]], answer: Answer) -> None:
         self.choices, self.request, self.batch, self.runs = choices, request, batch, runs
         self.job: Job = batch.first
-        self.answer = Answer(self.job, request["request_id"])
+        self.answer = answer
         self.logprobs: dict[int, Logprobs] = {}  # per choice: its text offsets go on
 
     async def _piece(self, response: web.StreamResponse, index: int, piece: Piece,
-                     first: bool) -> None:
-        """A choice's new tokens as one event (with `echo`, its first begins with the prompt);
-        nothing for a piece with nothing to show, unless it opens the choice."""
-        if piece.delta is not None:  # a chat the engine's frontend read (tools, reasoning)
+                     first: bool, done: Done | None) -> None:
+        """A choice's new tokens as one event (with `echo`, its first begins with the prompt;
+        with `done`, its last); nothing for a piece with nothing to show, unless it ends the
+        choice."""
+        ending = None if done is None else _ending(done)
+        if piece.delta is not None:  # a chat a vLLM engine's frontend read (tools, reasoning)
             logprobs = None
             if self.job.logprobs is not None and piece.logprobs:
                 shape = self.logprobs.setdefault(index, Logprobs(self.job))
                 logprobs = shape.render(list(piece.logprobs))
-            if piece.delta or first or logprobs:
-                await _sse(response, self.answer.chunk(piece.text, first=first, index=index,
-                                                       logprobs=logprobs, parsed=piece.delta))
+            if piece.delta or logprobs or ending is not None:
+                await _sse(response, self.answer.chunk(piece.text, index=index,
+                                                       logprobs=logprobs, ending=ending,
+                                                       parsed=piece.delta))
             return
-        said = Echoed(piece.text, list(piece.logprobs or []), piece.prompt if first else None)
-        if not first:
-            said = Echoed("" if self.job.echo_only else piece.text,
-                          [] if self.job.echo_only else list(piece.logprobs or []))
-        text, positions = self.answer.shown(said) if first else (said.text,
-                                                                  said.positions or [])
+        if first:
+            said = Echoed(piece.text, list(piece.logprobs or []), piece.prompt)
+            text, positions = self.answer.shown(said)
+        else:
+            text, positions = ("", []) if self.job.echo_only else (
+                piece.text, list(piece.logprobs or []))
         logprobs = None
         if self.job.logprobs is not None:
             shape = self.logprobs.setdefault(index, Logprobs(self.job))
             logprobs = shape.render(positions) if positions else None
-        if text or positions or first:
-            await _sse(response, self.answer.chunk(text, first=first, index=index,
-                                                   logprobs=logprobs))
+        echoed = first and self.job.echo and piece.prompt is not None
+        if text or positions or done is not None:
+            await _sse(response, self.answer.chunk(
+                text, index=index, logprobs=logprobs,
+                ending=None if done is None else _ending(done),
+                prompt_token_ids=list(piece.prompt.token_ids) if echoed and piece.prompt
+                else None))
 
     async def run(self) -> tuple[str, web.StreamResponse]:
         started = self.choices.clock()
@@ -119,25 +140,35 @@ class _Stream:
         await response.prepare(self.request)
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         pumps = [asyncio.ensure_future(_pump(i, run, queue)) for i, run in enumerate(self.runs)]
+        pending: collections.deque[tuple[int, Any]] = collections.deque()  # taken, not sent
         opened: set[int] = set()
         dones: dict[int, Done] = {}
+        tokens_came = False
         try:
             while len(dones) < len(self.runs):
-                index, item = await queue.get()
+                if not pending:
+                    pending.append(await queue.get())
+                while not queue.empty():  # what came with it: a choice's end, maybe
+                    pending.append(queue.get_nowait())
+                index, item = pending.popleft()
                 if isinstance(item, BaseException):
                     raise item
+                if not opened and self.job.kind == "chat":
+                    for i in range(len(self.runs)):
+                        await _sse(response, self.answer.opener(i))
                 if isinstance(item, Piece):
-                    if not opened:
+                    if not tokens_came:
+                        tokens_came = True
                         self.choices.on_first(self.job.model, self.choices.clock() - started)
-                    await self._piece(response, index, item, index not in opened)
-                    opened.add(index)
+                    done = _take_done(pending, index)
+                    await self._piece(response, index, item, index not in opened, done)
+                    if done is not None:
+                        dones[index] = done
                 elif isinstance(item, Done):
-                    if index not in opened:  # nothing came before its end: open it anyway
-                        await _sse(response, self.answer.chunk("", first=True, index=index))
-                        opened.add(index)
-                    await _sse(response, self.answer.chunk("", item.finish_reason,
-                                                           index=index))
+                    await _sse(response, self.answer.chunk("", index=index,
+                                                           ending=_ending(item)))
                     dones[index] = item
+                opened.add(index)
             if self.job.include_usage:
                 await _sse(response, self.answer.usage_chunk(
                     _usage(self.batch, [dones[i] for i in range(len(self.runs))])))
@@ -153,6 +184,21 @@ class _Stream:
             for pump in pumps:
                 pump.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def _take_done(pending: collections.deque[tuple[int, Any]], index: int) -> Done | None:
+    """Choice `index`'s end, taken out of `pending` if it is that choice's next item there."""
+    for position, (i, item) in enumerate(pending):
+        if i == index:
+            if isinstance(item, Done):
+                del pending[position]
+                return item
+            return None
+    return None
+
+
+def _ending(done: Done) -> Ending:
+    return Ending(done.finish_reason, done.stop_reason)
 
 
 async def _pump(index: int, run: AsyncGenerator[Item, None],

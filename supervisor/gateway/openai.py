@@ -13,6 +13,7 @@ bounded here by MAX_TOKENS_DEFAULT_CHAT).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import msgspec
 
 from engined.engine import protocol as proto
+from engined.supervisor import __version__
 from engined.supervisor import request_fields as fields
 
 MAX_TOKENS_DEFAULT_COMPLETION = 16  # OpenAI's
@@ -156,13 +158,15 @@ def _completion(body: dict[str, Any]) -> Batch:
         body = {**body, "max_tokens": 1}
     logprobs = _top(body, "logprobs")
     prompt_logprobs = _top(body, "prompt_logprobs")
+    if prompt_logprobs and fields.stream(body):  # vLLM's rule: a stream has no place for them
+        raise bad("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true")
     if echo and logprobs is not None:  # the echoed prompt comes with its logprobs
         prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     sampling = msgspec.structs.replace(
         fields.sampling(body, "max_tokens", MAX_TOKENS_DEFAULT_COMPLETION, TEMPERATURE_DEFAULT),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, **_structured(body))
     jobs = [Job("completion", model, text, ids, None, seeded(sampling, j), fields.stream(body),
-                _include_usage(body), logprobs, echo or prompt_logprobs is not None, echo_only)
+                _include_usage(body), logprobs, echo, echo_only)
             for text, ids in prompts for j in range(n)]
     return _batch(jobs, n)
 
@@ -295,16 +299,35 @@ def _include_usage(body: dict[str, Any]) -> bool:
 
 
 # --- answers ----------------------------------------------------------------------------------
+# Every field vLLM's server answers with, in its order, with vLLM's values where engined knows
+# them and vLLM's null where vLLM gives null (ids on request, KV transfer, routed experts,
+# metrics, reasoning, tool calls' and audio's fields: nothing engined's own engines produce).
+
+StopReason = int | str | None  # what ended a choice: its stop string, stop token id, or None
+
 
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
 
-    def json(self) -> dict[str, int]:
+    def json(self) -> dict[str, Any]:
+        """A whole answer's usage, as vLLM's: the details null (no cached-prompt counts)."""
+        return {**self.stream_json(), "prompt_tokens_details": None,
+                "completion_tokens_details": None}
+
+    def stream_json(self) -> dict[str, Any]:
+        """A stream's usage chunk's: vLLM leaves its null fields out there."""
         return {"prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "completion_tokens": self.completion_tokens}
+
+
+def fingerprint(spec_key: str) -> str:
+    """`system_fingerprint`: which server and backend configuration answered, as vLLM's
+    (`vllm-<version>-<hash8>` of its config) is: engined's version and a hash of what decides the
+    answers (model, dtype, backend, engine_args, interpreter), stable while they are."""
+    return f"engined-{__version__}-{hashlib.sha256(spec_key.encode()).hexdigest()[:8]}"
 
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI's JSON shows for an impossible token (vLLM's clamp)
@@ -323,6 +346,15 @@ class Echoed:
     positions: list[proto.Position] | None = None
     prompt: proto.PromptEcho | None = None
     message: dict[str, Any] | None = None  # a chat the engine read itself: its message
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a choice ended: OpenAI's finish_reason, and vLLM's stop_reason (the stop string or
+    stop token id that ended it; None at the end of sequence, max_tokens, ...)."""
+
+    finish_reason: str
+    stop_reason: StopReason = None
 
 
 class Logprobs:
@@ -379,35 +411,46 @@ def prompt_logprobs_json(prompt: proto.PromptEcho | None) -> list[Any] | None:
 
 
 class Answer:
-    """Builds one request's OpenAI answer: the whole one, or its SSE chunks."""
+    """Builds one request's OpenAI answer, as vLLM's server shapes it: the whole one, or its SSE
+    chunks (a choice's last token comes with its finish_reason; chat opens each choice with
+    its role; only a stream's last event carries system_fingerprint)."""
 
-    def __init__(self, job: Job, request_id: str) -> None:
+    def __init__(self, job: Job, request_id: str, system_fingerprint: str | None = None) -> None:
         self.job = job
         self.created = int(time.time())
         prefix = "chatcmpl" if job.kind == "chat" else "cmpl"
         self.id = f"{prefix}-{request_id}"
         self.object = "chat.completion" if job.kind == "chat" else "text_completion"
+        self.fingerprint = system_fingerprint
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.job.model}
 
-    def full(self, choices: list[tuple[Echoed, str]], usage: Usage) -> dict[str, Any]:
-        """The whole answer: (what it said, finish reason) of each choice, in index order."""
+    def full(self, choices: list[tuple[Echoed, Ending]], usage: Usage) -> dict[str, Any]:
+        """The whole answer: (what it said, how it ended) of each choice, in index order."""
         out = []
-        for index, (said, finish_reason) in enumerate(choices):
+        for index, (said, ending) in enumerate(choices):
             text, positions = self.shown(said)
             logprobs = (Logprobs(self.job).render(positions)
                         if self.job.logprobs is not None else None)
             if self.job.kind == "chat":
-                message = {"role": "assistant", "content": text}
-                message.update(said.message or {})
-                out.append({"index": index, "message": message,
-                            "logprobs": logprobs, "finish_reason": finish_reason})
+                message = {**_message(text), **(said.message or {})}
+                out.append({"index": index, "message": message, "logprobs": logprobs,
+                            "finish_reason": ending.finish_reason,
+                            "stop_reason": ending.stop_reason, "token_ids": None,
+                            "routed_experts": None})
             else:
                 out.append({"index": index, "text": text, "logprobs": logprobs,
-                            "finish_reason": finish_reason,
-                            "prompt_logprobs": prompt_logprobs_json(said.prompt)})
-        return {**self._head(self.object), "choices": out, "usage": usage.json()}
+                            "finish_reason": ending.finish_reason,
+                            "stop_reason": ending.stop_reason, "token_ids": None,
+                            "prompt_logprobs": prompt_logprobs_json(said.prompt),
+                            "prompt_token_ids": None, "routed_experts": None})
+        answer = {**self._head(self.object), "choices": out, "service_tier": None,
+                  "system_fingerprint": self.fingerprint, "usage": usage.json()}
+        if self.job.kind == "chat":
+            answer.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+        answer.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+        return answer
 
     def shown(self, said: Echoed) -> tuple[str, list[proto.Position]]:
         """The choice's text and logprobs as the client sees them: with `echo`, the prompt's
@@ -420,22 +463,49 @@ class Answer:
             text, positions = prompt.text + text, [*echoed, *positions]
         return text, positions
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
-              index: int = 0, logprobs: dict[str, Any] | None = None,
+    def opener(self, index: int) -> dict[str, Any]:
+        """Chat's first event of a choice: its role, no content yet (vLLM's)."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}
+        return {**self._head("chat.completion.chunk"), "choices": [choice],
+                "prompt_token_ids": None, "prompt_text": None}
+
+    def chunk(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None,
+              ending: Ending | None = None, prompt_token_ids: list[int] | None = None,
               parsed: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One event; `parsed`: the delta the engine's frontend made of `text` (a vLLM chat)."""
+        """A choice's new text (and its logprobs); with `ending`, its last event, with vLLM's
+        stop_reason (and system_fingerprint, unless a usage event ends the stream). A
+        completion's first event with `echo` names the prompt's ids, as vLLM's does. `parsed`:
+        the delta a vLLM engine's frontend made of `text` (tool calls, reasoning)."""
+        choice: dict[str, Any]
         if self.job.kind == "chat":
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
-                {"content": text} if text or finish_reason is None else {})
-            if parsed is not None:
-                delta = {"role": "assistant", **parsed} if first else dict(parsed)
-            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
-                                      "finish_reason": finish_reason}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        return {**self._head("text_completion"),
-                "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                             "finish_reason": finish_reason}]}
+            choice = {"index": index, "delta": {"content": text} if parsed is None
+                      else dict(parsed), "logprobs": logprobs, "finish_reason": None}
+            if ending is not None:
+                choice.update(finish_reason=ending.finish_reason,
+                              stop_reason=ending.stop_reason)
+            choice["token_ids"] = None
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs,
+                      "finish_reason": None if ending is None else ending.finish_reason,
+                      "stop_reason": None if ending is None else ending.stop_reason,
+                      "prompt_token_ids": prompt_token_ids, "token_ids": None}
+            obj = "text_completion"
+        out = {**self._head(obj), "choices": [choice]}
+        if ending is not None and not self.job.include_usage and self.fingerprint is not None:
+            out["system_fingerprint"] = self.fingerprint
+        return out
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.job.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage.json()}
+        out = {**self._head(obj), "choices": [], "usage": usage.stream_json()}
+        if self.fingerprint is not None:
+            out["system_fingerprint"] = self.fingerprint
+        return out
+
+
+def _message(content: str) -> dict[str, Any]:
+    """A chat answer's message as vLLM's (tool_calls left out when there are none)."""
+    return {"role": "assistant", "content": content, "refusal": None, "annotations": None,
+            "audio": None, "function_call": None, "reasoning": None}

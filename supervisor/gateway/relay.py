@@ -51,6 +51,7 @@ class Done:
     usage: Usage
     engine: str
     moves: int
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     message: dict[str, Any] | None = None  # a chat read by the engine's frontend, whole
 
 
@@ -99,7 +100,8 @@ class Relay:
                                 yield Done(item.chat_finish or item.finish_reason
                                            or proto.FINISH_STOP,
                                            Usage(item.prompt_tokens, item.completion_tokens),
-                                           item.engine, moves, item.message)
+                                           item.engine, moves, item.stop_reason,
+                                           item.message)
                                 return
                             if item.rejected:
                                 raise ApiError(400, item.error, code="rejected_by_engine")
