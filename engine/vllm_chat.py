@@ -122,7 +122,7 @@ class Chat:
         """A stream's new text as the chunk's delta (reasoning, content, tool call deltas);
         {} when the parser holds it back."""
         if self.parser is None:
-            return {"content": text} if text else {}
+            return {"content": text}
         parsed = self.parser.parse_delta(text, ids, self.request, self.prompt_ids,
                                          finished=finished)
         if parsed is None:

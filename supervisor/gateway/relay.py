@@ -93,7 +93,7 @@ class Relay:
                                 continue
                             if item.error is None:
                                 if item.text or item.token_ids or item.prompt is not None \
-                                        or item.delta:
+                                        or any((item.delta or {}).values()):
                                     delivered.extend(item.token_ids)
                                     yield Piece(item.text, item.token_ids, item.logprobs,
                                                 item.prompt, item.delta)
