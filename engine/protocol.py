@@ -139,6 +139,8 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_tokens: int = 0  # no end of sequence (or stop token) before this many tokens
     ignore_eos: bool = False  # go on past the end-of-sequence token
     stop_token_ids: list[int] = []  # generating one of these ends the request (finish: stop)
+    include_stop_str_in_output: bool = False  # the text ends after the stop string, not before
+    skip_special_tokens: bool = True  # special tokens' text is left out (vLLM backend)
     logprobs: int | None = None  # per generated token: its logprob and the top N (0: only its)
     prompt_logprobs: int | None = None  # the same for each prompt token (the first has none)
     # structured outputs, as the client sent them (OpenAI's and vLLM's fields, read by vLLM's

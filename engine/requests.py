@@ -211,7 +211,8 @@ class RequestTable:
         found = _find_stop(entry.text, stops, checked_from)
         if found is not None:
             cut, stop = found
-            entry.text = entry.text[:cut]
+            kept = len(stop) if entry.msg.sampling.include_stop_str_in_output else 0
+            entry.text = entry.text[:cut + kept]
             entry.stopped = True
             self.backend.abort(entry.msg.id)
             self._finish(entry, proto.FINISH_STOP, stop)

@@ -306,7 +306,8 @@ class HFBackend:
             emit(Finished(row.request.id, "stop", stop_reason=None if eos else token))
             return True
         row.ids.append(token)
-        full = self.detokenize(row.ids)
+        full = str(self.tokenizer.decode(row.ids,
+                                         skip_special_tokens=sampling.skip_special_tokens))
         # a byte-level token may end inside a multi-byte character: hold its text back
         text = "" if full.endswith("\ufffd") else full[row.text_len:]
         if text:

@@ -262,7 +262,7 @@ class VllmBackend:
                 structured_outputs=(request.chat.structured if request.chat is not None
                                     else self._structured(s)),
                 skip_special_tokens=(request.chat.skip_special_tokens
-                                     if request.chat is not None else True))
+                                     if request.chat is not None else s.skip_special_tokens))
             self.engine.add_request(request.id,
                                     self._tokens_prompt(prompt_token_ids=list(request.prompt_ids)),
                                     params)

@@ -99,7 +99,7 @@ def messages(value: Any) -> list[proto.ChatMessage]:
 # vLLM's sampling fields beyond OpenAI's, with its names (the engine protocol's Sampling)
 SAMPLING_FIELDS = ("top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "logit_bias", "min_tokens", "ignore_eos",
-                   "stop_token_ids")
+                   "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
 MAX_BIASED_TOKENS = 300  # OpenAI's limit for logit_bias
 MAX_STOP_TOKEN_IDS = 64
 
@@ -120,7 +120,9 @@ def sampling(body: dict[str, Any], max_tokens_key: str, max_tokens_default: int,
         presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=logit_bias(body), min_tokens=least, ignore_eos=flag(body, "ignore_eos"),
-        stop_token_ids=token_ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS))
+        stop_token_ids=token_ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS),
+        include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
+        skip_special_tokens=flag(body, "skip_special_tokens", True))
 
 
 def integer(body: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
@@ -137,10 +139,10 @@ def top_k(body: dict[str, Any]) -> int:
     return 0 if value == -1 else value  # -1 and 0 both mean off (vLLM's older and newer)
 
 
-def flag(body: dict[str, Any], key: str) -> bool:
+def flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
     value = body.get(key)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise BadField(key, f"'{key}' must be true or false")
     return value

@@ -68,6 +68,9 @@ def test_models_completions_and_chat_streamed_and_not(gateway):
 
     stopped = client.completions.create(model="echo", prompt=TEXT, stop=[" brown"])
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == ("the quick", "stop")
+    kept = client.completions.create(model="echo", prompt=TEXT, stop=[" brown"],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == "the quick brown"
 
 
 def test_errors_are_openai_shaped(gateway):
