@@ -45,6 +45,11 @@ class RequestFailed(Exception):
     error)."""
 
 
+class RequestTooLarge(ValueError):
+    """The request does not fit in one frame the engine accepts (proto.MAX_FRAME_BYTES): the
+    client's error, sent nowhere (the engine would drop it, and the client wait in vain)."""
+
+
 class RequestTimeout(RequestFailed):
     """The engine did not answer in time."""
 
@@ -197,8 +202,12 @@ class EngineChannels:
         for peer in wake:
             self.wake(*peer)
         engine, incarnation = address
+        frame = proto.encode(request)
+        if len(frame) > proto.MAX_FRAME_BYTES:
+            raise RequestTooLarge(f"the request is {len(frame)} bytes for the engine, more than "
+                                  f"it takes ({proto.MAX_FRAME_BYTES}): send a shorter prompt")
         stream = RequestStream(self, engine, incarnation, request.id)
-        self._send(routing_id(engine, incarnation), proto.encode(request))
+        self._send(routing_id(engine, incarnation), frame)
         self._streams[request.id] = stream
         return stream
 

@@ -26,6 +26,7 @@ from engined.supervisor.ipc import (
     EngineLost,
     RequestFailed,
     RequestStream,
+    RequestTooLarge,
     new_request_id,
 )
 from engined.supervisor.routing import Lease, NoReplica, Router
@@ -81,6 +82,8 @@ class Relay:
                     stream = self.channels.open(lease.incarnation.address,
                                                 job.request(engine_id, list(delivered)),
                                                 wake=self.router.peers(lease))
+                except RequestTooLarge as exc:
+                    raise ApiError(400, str(exc), code="request_too_large") from None
                 except RequestFailed as exc:
                     lost: str = str(exc)
                 else:

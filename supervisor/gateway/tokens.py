@@ -14,7 +14,12 @@ from engined.supervisor import request_fields as fields
 from engined.supervisor.gateway.openai import ApiError, bad
 from engined.supervisor.gateway.relay import acquire, moved
 from engined.supervisor.incarnation import Incarnation
-from engined.supervisor.ipc import EngineChannels, RequestFailed, new_request_id
+from engined.supervisor.ipc import (
+    EngineChannels,
+    RequestFailed,
+    RequestTooLarge,
+    new_request_id,
+)
 from engined.supervisor.routing import Router
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
@@ -73,6 +78,8 @@ async def ask(router: Router, channels: EngineChannels, clock: Callable[[], floa
             attempt = proto.GenerateRequest(**{**_fields(request), "id": new_request_id()})
             try:
                 stream = channels.open(lease.incarnation.address, attempt)
+            except RequestTooLarge as exc:
+                raise ApiError(400, str(exc), code="request_too_large") from None
             except RequestFailed as exc:
                 lost = str(exc)
             else:

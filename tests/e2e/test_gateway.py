@@ -368,3 +368,17 @@ def test_the_responses_api_whole_and_streamed_and_kept_across_a_death(gateway):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="echo", input="x", previous_response_id="resp_1")
     assert err.value.param == "previous_response_id"
+
+
+def test_a_request_too_large_for_the_engine_is_a_400_not_a_wait(gateway):
+    """A body the gateway takes (8 MiB) that the engine's frame limit (4 MiB) does not: 400
+    naming why at once, instead of a request the engine drops and a client that waits."""
+    d, client = gateway()
+    ids = list(range(1000, 1000 + 900_000))  # ~5.4 MB of JSON, over 4 MiB as msgpack
+    code, body = _post(d.port, "/v1/completions", {"model": "echo", "prompt": ids,
+                                                   "max_tokens": 1})
+    assert (code, body["error"]["code"]) == (400, "request_too_large"), body
+    code, body = _post(d.port, "/detokenize", {"model": "echo", "tokens": ids})
+    assert (code, body["error"]["code"]) == (400, "request_too_large"), body
+    assert client.completions.create(model="echo", prompt="still fine").choices[0].text
+    assert d.engines()["echo-0"]["restarts"] == 0
