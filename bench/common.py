@@ -38,6 +38,9 @@ from engined.supervisor.ipc import EngineChannels as EngineChannels
 from engined.supervisor.spec import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
+# the checkout the engined under test is imported from: ROOT, unless bench/ runs from another
+# worktree than the one engined is installed (editable) from
+ENGINED_SOURCE = Path(resolve.__file__).resolve().parents[2]
 T = TypeVar("T")
 
 
@@ -347,7 +350,8 @@ class StatusConnection(KeepAlive):
 class BenchDaemon(Daemon):
     """tests/driver.py's Daemon in a short directory under /tmp (`/tmp/<prefix>XXXXXXXX`, runtime
     dir `rt/` in it: ZeroMQ ipc paths must stay short), with what a benchmark adds: every restart
-    immediate, 1 s heartbeats, no ENGINED_* variable from our environment, GET /v1/status on a
+    immediate, 1 s heartbeats, no ENGINED_* variable from our environment (but our PYTHONPATH,
+    if any: the daemon runs the engined the benchmark imports), GET /v1/status on a
     keep-alive connection (`status_times`), pids tracked by the Tracker, BenchError with the
     daemon's log tail instead of AssertionError. `watched` is the engine the single-engine
     helpers (`engine()`, `wait_ready()`) look at by default: replica 0 of the first engine."""
@@ -365,8 +369,11 @@ class BenchDaemon(Daemon):
         root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
         spec = build_spec(root, engines, {"http": http, **HEARTBEATS, **(supervisor or {})},
                           IMMEDIATE_RESTARTS)
-        super().__init__(root, spec, env={k: None for k in os.environ
-                                          if k.startswith("ENGINED_") or k == "NOTIFY_SOCKET"})
+        env: dict[str, str | None] = {k: None for k in os.environ
+                                      if k.startswith("ENGINED_") or k == "NOTIFY_SOCKET"}
+        if os.environ.get("PYTHONPATH"):  # the daemon runs the engined this process imports
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        super().__init__(root, spec, env=env)
         self.dir = root
         self.tracker = tracker
         self.replicas = sum(e.get("replicas", 1) for e in engines)

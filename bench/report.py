@@ -29,7 +29,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import ROOT
+from bench.common import ENGINED_SOURCE, ROOT
 
 RESULTS = ROOT / "bench" / "results"
 DASH = "–"  # a value that is not there
@@ -92,10 +92,11 @@ def machine_lines() -> list[str]:
 
 def engined_revision() -> str:
     """The commit the engined under test was built from, and whether its sources differ (read
-    only: `--no-optional-locks` keeps git from even refreshing its index)."""
+    only: `--no-optional-locks` keeps git from even refreshing its index); the checkout it is
+    imported from when that is not this one's."""
     def git(*args: str) -> str:
         try:
-            done = subprocess.run(["git", "--no-optional-locks", *args], cwd=ROOT,
+            done = subprocess.run(["git", "--no-optional-locks", *args], cwd=ENGINED_SOURCE,
                                   capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             return ""
@@ -104,8 +105,9 @@ def engined_revision() -> str:
     if not head:
         return "- engined: not a git checkout"
     changed = git("diff", "--name-only", "HEAD", "--", "supervisor", "engine").split()
-    return (f"- engined: commit {head}" + (f", with uncommitted changes in {', '.join(changed)}"
-                                           if changed else ""))
+    where = "" if ENGINED_SOURCE == ROOT else f" (imported from {ENGINED_SOURCE})"
+    return (f"- engined: commit {head}{where}" + (f", with uncommitted changes in "
+                                                  f"{', '.join(changed)}" if changed else ""))
 
 
 def cpu_busy_pct(cpu_start: Any) -> float:
