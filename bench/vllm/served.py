@@ -60,12 +60,14 @@ FREEZE_LABELS = {("core", True): "EngineCore SIGSTOP, request in flight",
                  ("api", False): "API server SIGSTOP, idle"}
 
 
-def served_spec(python: str, model: Path, cwd: Path) -> dict[str, Any]:
-    """tests/vllm/test_vllm_serve.py's `serve_engine` with the bare server's arguments and
-    environment; restarts, backoff and stop_timeout are the benchmarks' defaults (immediate)."""
+def served_spec(python: str, model: Path, cwd: Path, args: list[str] = SERVED_ARGS
+                ) -> dict[str, Any]:
+    """tests/vllm/test_vllm_serve.py's `serve_engine` with the bare server's arguments (`args`)
+    and environment; restarts, backoff and stop_timeout are the benchmarks' defaults
+    (immediate)."""
     return {"name": SERVED, "replicas": 1,
             "command": [python, "-m", SERVE_MODULE, "--model", str(model), "--host", "127.0.0.1",
-                        "--port", "{port}", *SERVED_ARGS],
+                        "--port", "{port}", *args],
             "cwd": str(cwd), "port": "auto", "progress": "vllm", "probe": dict(SERVED_PROBE),
             "env": dict(SERVED_ENV), "startup_timeout": "5m",
             "stall_timeout": SERVED_STALL_TIMEOUT}
