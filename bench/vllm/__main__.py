@@ -1,11 +1,12 @@
 """vLLM benchmark: vLLM under engined against vLLM on its own, in one run.
 
-    python -m bench.vllm [--quick] [--only all|backend|serve] [--out FILE]
+    python -m bench.vllm [--quick] [--only all|backend|serve|serving] [--out FILE]
 
 The run: the options (`Plan`); sections 1-3 (`measure_backend`: the overhead paths, then kills
 and `vllm serve` cold starts interleaved, then freezes, then the heavier model on processes of
-its own), section 4 (bench/vllm/served.py); then the report of each and the summary of the
-targets. The sections themselves are the package's other modules (bench/vllm/__init__.py).
+its own), section 4 (bench/vllm/served.py), section 5 (bench/vllm/serving.py); then the report
+of each and the summary of the targets. The sections themselves are the package's other
+modules (bench/vllm/__init__.py).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ from bench.vllm.overhead_report import (
 from bench.vllm.served import serve_section
 from bench.vllm.served_report import report_serve, report_serve_summary
 from bench.vllm.server import VllmServe
+from bench.vllm.serving import FULL, QUICK, Workload, serving_section
+from bench.vllm.serving_report import report_serving, report_serving_summary
 
 
 # --- the options --------------------------------------------------------------------------------
@@ -99,6 +102,7 @@ class Plan:
     serve_kills: int
     serve_freezes: int
     k8s_window: float
+    workload: Workload
 
     @property
     def backend(self) -> bool:
@@ -108,16 +112,23 @@ class Plan:
     def served(self) -> bool:
         return self.only in ("all", "serve")
 
+    @property
+    def serving(self) -> bool:
+        return self.only in ("all", "serving")
+
 
 def parse(argv: list[str] | None) -> Plan:
     parser = argparse.ArgumentParser(prog="python -m bench.vllm",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="6 rounds, 2 kills, 1 cold start, 1 freeze, a 10 s window; "
-                             "section 4: 1 kill and 1 freeze of each kind, a 30 s window")
-    parser.add_argument("--only", choices=("all", "backend", "serve"), default="all",
-                        help="all sections (default), sections 1-3 (`backend: vllm`), or "
-                             "section 4 (`vllm serve` as a command engine)")
+                             "section 4: 1 kill and 1 freeze of each kind, a 30 s window; "
+                             "section 5: 16 and 32 requests of 32 tokens in and out, 1 round")
+    parser.add_argument("--only", choices=("all", "backend", "serve", "serving"), default="all",
+                        help="all sections (default), sections 1-3 (`backend: vllm`), "
+                             "section 4 (`vllm serve` as a command engine), or section 5 "
+                             "(vLLM's serving benchmark through the gateway and against "
+                             "`vllm serve`)")
     add_out_option(parser, "vllm")
     parser.add_argument("--rounds", type=int, default=None, help="overhead rounds (default 40)")
     parser.add_argument("--heavy-rounds", type=int, default=None,
@@ -142,6 +153,9 @@ def parse(argv: list[str] | None) -> Plan:
     parser.add_argument("--k8s-window", type=float, default=None,
                         help="section 4: seconds the bare server's EngineCore stays stopped "
                              "under the k8s-style probe (default 60, --quick 30)")
+    parser.add_argument("--serving-rounds", type=int, default=None,
+                        help="section 5: rounds of every target at every concurrency (default "
+                             f"{FULL.rounds}, --quick {QUICK.rounds})")
     parser.add_argument("--vllm-python", default=None,
                         help=f"the vLLM venv's interpreter (default ${VLLM_PYTHON_ENV}, else "
                              f"<repo>/.venv-vllm/bin/python)")
@@ -161,7 +175,10 @@ def parse(argv: list[str] | None) -> Plan:
         freezes=args.freezes or (1 if q else 3), window=args.window or (10.0 if q else 30.0),
         serve_kills=args.serve_kills or (1 if q else 3),
         serve_freezes=args.serve_freezes or (1 if q else 3),
-        k8s_window=args.k8s_window or (30.0 if q else 60.0))
+        k8s_window=args.k8s_window or (30.0 if q else 60.0),
+        workload=Workload(QUICK.length if q else FULL.length,
+                          QUICK.prompts if q else FULL.prompts,
+                          args.serving_rounds or (QUICK.rounds if q else FULL.rounds)))
 
 
 # --- sections 1-3 -------------------------------------------------------------------------------
@@ -232,6 +249,8 @@ def header(r: Report, plan: Plan) -> None:
         r(f"- `vllm serve` as a command engine (section 4): {plan.serve_kills} SIGKILL(s) and "
           f"{plan.serve_freezes} SIGSTOP(s) of each kind; the bare server's EngineCore stopped "
           f"for {plan.k8s_window:g} s under the k8s-style probe")
+    if plan.serving:
+        r(f"- vLLM's serving benchmark (section 5): {plan.workload.text()}")
     r("")
 
 
@@ -250,14 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         cleanup.dirs.append(cache)
     backend: BackendRun | None = None
     serve_out: dict[str, Any] | None = None
+    serving_out: dict[str, Any] | None = None
     try:
         header(r, plan)
         checkpoint = build_checkpoint(cache)  # untimed, exactly as an engine would on first use
         spec = engine_spec(python, cache)
         args_text = ", ".join(f"{k}: {v}" for k, v in spec["engine_args"].items())
-        r(f"- model: builtin:tiny-llama ({checkpoint.name}, random weights), `backend: vllm`, "
-          f"`launcher: exec`, engine_args {{{args_text}}}, threads 1, max_batch_size 8 "
-          f"(max_num_seqs), "
+        engine_text = (f"`backend: vllm`, `launcher: exec`, engine_args {{{args_text}}}, threads "
+                       f"1, max_batch_size 8 (max_num_seqs), " if plan.backend or plan.served
+                       else "")  # section 5 says its own
+        r(f"- model: builtin:tiny-llama ({checkpoint.name}, random weights), {engine_text}"
           f"VLLM_CPU_KVCACHE_SPACE={VLLM_ENV['VLLM_CPU_KVCACHE_SPACE']}; daemon heartbeats "
           f"every {HEARTBEATS['heartbeat_interval']}, heartbeat_timeout "
           f"{HEARTBEATS['heartbeat_timeout']}, restarts immediate (backoff 0)", "")
@@ -267,15 +288,19 @@ def main(argv: list[str] | None = None) -> int:
             # Section 4: `vllm serve` under engined as a command engine.
             serve_out = serve_section(python, checkpoint, scratch, cleanup, plan.serve_kills,
                                       plan.serve_freezes, plan.k8s_window)
+        if plan.serving:
+            # Section 5: vLLM's serving benchmark, engined's gateway against `vllm serve`.
+            serving_out = serving_section(python, checkpoint, cache, scratch, cleanup,
+                                          plan.workload)
     finally:
         leftovers = cleanup.close()
-    report(r, plan, backend, serve_out, leftovers)
+    report(r, plan, backend, serve_out, serving_out, leftovers)
     r.write(plan.out)
     return 0  # a report, not a gate: the verdict is in the table
 
 
 def report(r: Report, plan: Plan, backend: BackendRun | None, serve_out: dict[str, Any] | None,
-           leftovers: list[int]) -> None:
+           serving_out: dict[str, Any] | None, leftovers: list[int]) -> None:
     over = crash = serve_freeze_ = served_summary = None
     serves = backend.serves if backend is not None else []
     freezes = backend.freezes if backend is not None else []
@@ -290,24 +315,29 @@ def report(r: Report, plan: Plan, backend: BackendRun | None, serve_out: dict[st
         report_freeze(r, freezes, serve_freeze_, HEARTBEATS["heartbeat_timeout"])
     if serve_out is not None:
         served_summary = report_serve(r, serve_out, serves or None)
-    report_summary(r, over, crash, freezes, serve_freeze_, served_summary)
-    r(f"- `vllm serve` ran as `VLLM_PYTHON -m {SERVE_MODULE} --model DIR --host 127.0.0.1 "
-      f"--port PORT {' '.join(SERVE_ARGS)}` (OMP_NUM_THREADS=1, VLLM_CPU_KVCACHE_SPACE="
-      f"{VLLM_ENV['VLLM_CPU_KVCACHE_SPACE']}, offline, its own session, cwd a scratch dir)"
-      + ("; in section 4 without `--disable-log-stats`, under engined as the command engine "
-         "above and bare with the same argv" if plan.served else ""),
-      f"{load_average('end')}; processes left over and killed by pid: {leftovers or 'none'}")
+    serving = report_serving(r, serving_out) if serving_out is not None else None
+    report_summary(r, over, crash, freezes, serve_freeze_, served_summary, serving)
+    if plan.backend or plan.served:  # section 5 says how it ran `vllm serve`
+        r(f"- `vllm serve` ran as `VLLM_PYTHON -m {SERVE_MODULE} --model DIR --host 127.0.0.1 "
+          f"--port PORT {' '.join(SERVE_ARGS)}` (OMP_NUM_THREADS=1, VLLM_CPU_KVCACHE_SPACE="
+          f"{VLLM_ENV['VLLM_CPU_KVCACHE_SPACE']}, offline, its own session, cwd a scratch dir)"
+          + ("; in section 4 without `--disable-log-stats`, under engined as the command engine "
+             "above and bare with the same argv" if plan.served else ""))
+    r(f"{load_average('end')}; processes left over and killed by pid: {leftovers or 'none'}")
 
 
 # --- the summary --------------------------------------------------------------------------------
 def report_summary(r: Report, over: dict | None, crash: dict[str, float] | None,
                    freezes: list[dict], serve_freeze_: dict | None,
-                   served: dict[str, Any] | None = None) -> None:
+                   served: dict[str, Any] | None = None,
+                   serving: list[dict[str, Any]] | None = None) -> None:
     r("## Summary", "", *table("target / measure", "engined", "baseline", "result"))
     if over is not None and crash is not None:
         report_backend_summary(r, over, crash, freezes, serve_freeze_)
     if served is not None:
         report_serve_summary(r, served)
+    if serving is not None:
+        report_serving_summary(r, serving)
     r("")
 
 

@@ -1,0 +1,341 @@
+"""Section 5, measured: vLLM's own serving benchmark (`vllm.benchmarks.serve`, what `vllm bench
+serve` runs) against three servers of the same tiny-llama, all up at once, one measured at a
+time: `vllm serve` on its own, engined's gateway in front of a `backend: vllm` engine, and
+engined's gateway in front of that same `vllm serve` run as a command engine. Random prompts,
+fixed input and output lengths (`--ignore-eos`: every request makes exactly that many tokens),
+greedy, at 8 and 32 requests in flight (`--max-concurrency`); vLLM's figures are read from its
+`--save-result` JSON. Reported by bench/vllm/serving_report.py.
+
+The client is one process under the vLLM interpreter (`CLIENT`: vLLM's `add_cli_args` and
+`main`, as tests/vllm drives it; the CPU wheel's `vllm` command cannot read its own version) that
+runs every measurement in turn, so vLLM is imported once and never during a run. Each run starts
+with vLLM's own warm-up (`--num-warmups C`: one wave of C requests at the run's concurrency), then
+the measured requests. The order rotates: in round r at the k-th concurrency the targets run
+from position (r + k) mod 3, so over three rounds each target runs first, second and third once
+at every concurrency.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+from driver import free_port
+
+from bench.common import BenchDaemon, BenchError, Cleanup, Tracker
+from bench.report import cpu_busy_pct
+from bench.vllm.engine import GROUP, START_TIMEOUT_S, engine_spec, serve_env
+from bench.vllm.served import SERVED, served_spec
+from bench.vllm.server import VllmServe, post_json
+
+CONCURRENCY = (8, 32)
+SEQS = max(CONCURRENCY)  # max_num_seqs of every target: the highest concurrency runs as a batch
+# `vllm serve`'s arguments, the bare server's and the command engine's alike: the engine
+# arguments of engined's `backend: vllm` engine (etc/examples/vllm-cpu.yaml's engine_args and
+# max_batch_size = max_num_seqs). Log stats stay on, `vllm serve`'s default: the command engine
+# needs them (`progress: vllm` reads vLLM's Prometheus counters), and the bare server is the same
+# argv. engined's in-process engine keeps its own default (disable_log_stats: it reads the
+# scheduler directly).
+SERVE_ARGS = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", str(SEQS)]
+TARGETS = ("serve", "backend", "command")
+# vLLM's serving benchmark, as every run calls it (the capitals are the run's values): random
+# prompts of L tokens, L tokens out whatever the model says (`--ignore-eos`), greedy, N requests
+# C at a time after C warm-up requests. The seed is the run's place in the schedule (1 + round x
+# concurrencies + k): every target gets the same prompts at the same round and concurrency, and
+# no run meets prompts that an earlier one left in a server's prefix cache
+CLIENT_FLAGS = ["--backend", "openai", "--endpoint", "/v1/completions", "--base-url", "URL",
+                "--model", "MODEL", "--tokenizer", "MODEL_DIR", "--dataset-name", "random",
+                "--random-input-len", "L", "--random-output-len", "L", "--ignore-eos",
+                "--temperature", "0", "--num-prompts", "N", "--max-concurrency", "C",
+                "--num-warmups", "C", "--seed", "SEED", "--disable-tqdm", "--save-result",
+                "--save-detailed", "--result-dir", "DIR", "--result-filename", "NAME.json"]
+DIGEST = {  # what a run keeps of vLLM's result JSON
+    "duration": "duration", "completed": "completed", "failed": "failed",
+    "input_tokens": "total_input_tokens", "output_tokens": "total_output_tokens",
+    "request_throughput": "request_throughput", "output_throughput": "output_throughput",
+    "median_ttft_ms": "median_ttft_ms", "p99_ttft_ms": "p99_ttft_ms",
+    "median_tpot_ms": "median_tpot_ms", "median_itl_ms": "median_itl_ms",
+    "p99_itl_ms": "p99_itl_ms", "max_concurrent_requests": "max_concurrent_requests"}
+
+# The client: one process, every run in turn (a JSON list of {name, argv}); per run a RUN line
+# with its wall times, how busy the machine's CPUs were, and how much of that was not the
+# benchmark's own processes (the bench's process tree: the client, every server, the daemon and
+# its engines): the load others put on a shared machine during the run; or the error it raised.
+CLIENT = """
+import json, os, sys, time, traceback
+import psutil
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+def ours():
+    root = psutil.Process(os.getppid())
+    cpu = {}
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            cpu[(p.pid, p.create_time())] = t.user + t.system
+        except psutil.Error:
+            pass
+    return cpu
+
+def busy_s(t):
+    return sum(t) - t.idle - t.iowait
+
+for run in json.load(open(sys.argv[1])):
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(run["argv"])
+    print("BEGIN " + run["name"], flush=True)
+    own0, cpu0, t0, error = ours(), psutil.cpu_times(), time.time(), None
+    try:
+        main(args)
+    except BaseException as exc:
+        error = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
+    cpu1, own1, t1 = psutil.cpu_times(), ours(), time.time()
+    total = sum(cpu1) - sum(cpu0)
+    busy = busy_s(cpu1) - busy_s(cpu0)
+    own = sum(v - own0.get(k, 0.0) for k, v in own1.items())
+    line = {"name": run["name"], "t0": t0, "t1": t1, "error": error,
+            "cpu_busy_pct": 100.0 * busy / max(total, 1e-9),
+            "others_pct": 100.0 * max(0.0, busy - own) / max(total, 1e-9)}
+    print("RUN " + json.dumps(line), flush=True)
+"""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each target is sent: `length` tokens in and out, `prompts[c]` requests at
+    concurrency c, `rounds` times."""
+
+    length: int
+    prompts: dict[int, int]
+    rounds: int
+
+    def text(self) -> str:
+        return (f"random prompts, {self.length} tokens in and {self.length} out (`--ignore-eos`), "
+                f"greedy; " + ", ".join(f"{n} requests at {c} concurrent"
+                                        for c, n in self.prompts.items())
+                + f"; {self.rounds} round(s)")
+
+
+FULL = Workload(128, {8: 64, 32: 128}, 3)
+QUICK = Workload(32, {8: 16, 32: 32}, 1)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One server under test: where the client sends its requests and the model name it uses."""
+
+    key: str
+    url: str
+    model: str
+
+
+class ServingDaemon(BenchDaemon):
+    """engined with two groups behind its gateway (free loopback port), in /tmp/egXXXXXXXX:
+    `vllm` (`backend: vllm`: vLLM's engine in engined's engine child) and `served` (`vllm serve`
+    as a command engine, `progress: vllm`)."""
+
+    log_lines = 30
+    log_engines = (f"{GROUP}-0", f"{SERVED}-0")
+    start_timeout_s, start_interval_s = START_TIMEOUT_S, 0.05
+    ready_timeout_s, ready_interval_s = START_TIMEOUT_S, 0.02
+
+    def __init__(self, engines: list[dict[str, Any]], tracker: Tracker) -> None:
+        self.gateway_port = free_port()
+        super().__init__("eg", tracker, engines, status_timeout_s=10.0,
+                         supervisor={"gateway": f"127.0.0.1:{self.gateway_port}"})
+
+
+def serving_engines(python: str, cache: Path, checkpoint: Path, cwd: Path
+                    ) -> list[dict[str, Any]]:
+    """The two groups: engine_spec()'s engine with max_batch_size SEQS, and section 4's command
+    engine with SERVE_ARGS."""
+    backend = {**engine_spec(python, cache), "max_batch_size": SEQS}
+    return [backend, served_spec(python, checkpoint, cwd, SERVE_ARGS)]
+
+
+def client_argv(target: Target, tokenizer: Path, c: int, n: int, length: int, seed: int,
+                result_dir: Path, name: str) -> list[str]:
+    """CLIENT_FLAGS with the run's values in place of the placeholders."""
+    values = {"URL": target.url, "MODEL": target.model, "MODEL_DIR": str(tokenizer),
+              "L": str(length), "N": str(n), "C": str(c), "SEED": str(seed),
+              "DIR": str(result_dir), "NAME.json": f"{name}.json"}
+    return [values.get(flag, flag) for flag in CLIENT_FLAGS]
+
+
+def schedule(workload: Workload) -> list[tuple[int, int, int, str]]:
+    """(round, concurrency, position, target) in the order they run."""
+    runs = []
+    for r in range(workload.rounds):
+        for k, c in enumerate(workload.prompts):
+            shift = (r + k) % len(TARGETS)
+            for pos, key in enumerate(TARGETS[shift:] + TARGETS[:shift]):
+                runs.append((r, c, pos, key))
+    return runs
+
+
+def digest(result: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """What the report needs of one run: vLLM's figures, its distinct errors with their count,
+    the run's wall time and CPU load."""
+    out = {k: result.get(v) for k, v in DIGEST.items()}
+    errors: dict[str, int] = {}
+    for e in result.get("errors") or []:
+        if e:
+            key = e.strip().splitlines()[-1][:300] if e.strip() else e
+            errors[key] = errors.get(key, 0) + 1
+    out["errors"] = errors
+    out["output_lens"] = sorted(set(result.get("output_lens") or []))
+    out["wall_s"] = run["t1"] - run["t0"]
+    out["cpu_busy_pct"] = run["cpu_busy_pct"]
+    out["others_pct"] = run["others_pct"]
+    return out
+
+
+def notes_of(stdout: str) -> dict[str, list[str]]:
+    """The client's warnings per run (between its BEGIN lines): the prompt alignment with the
+    server's /tokenize (vLLM's `_align_prompts_to_server_tokenizer`) and anything else it warns
+    about that concerns requests."""
+    notes: dict[str, list[str]] = {}
+    current = None
+    for line in stdout.splitlines():
+        if line.startswith("BEGIN "):
+            current = line[6:].strip()
+            notes[current] = []
+        elif current and line.startswith("WARNING: ") and "temperature" not in line:
+            if line not in notes[current]:
+                notes[current].append(line.strip())
+    return notes
+
+
+def run_client(python: str, runs: list[dict[str, Any]], scratch: Path, timeout_s: float
+               ) -> tuple[list[dict[str, Any]], str]:
+    plan = scratch / "serving-runs.json"
+    plan.write_text(json.dumps(runs))
+    log = scratch / "serving-client.log"
+    env = {**serve_env(), "TMPDIR": str(scratch)}
+    try:
+        done = subprocess.run([python, "-c", CLIENT, str(plan)], cwd=scratch, env=env,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        raise BenchError(f"vLLM's serving benchmark did not end within {timeout_s:g} s: "
+                         f"{str(exc.stdout or '')[-3000:]}") from None
+    log.write_text(done.stdout + done.stderr)
+    lines = [json.loads(x[4:]) for x in done.stdout.splitlines() if x.startswith("RUN ")]
+    if done.returncode != 0 or len(lines) != len(runs):
+        raise BenchError(f"vLLM's serving benchmark exited with {done.returncode} after "
+                         f"{len(lines)} of {len(runs)} runs:\n{done.stdout[-3000:]}\n"
+                         f"{done.stderr[-3000:]}")
+    return lines, done.stdout
+
+
+def processes(pid: int, tree: bool = True) -> list[str]:
+    """`NAME (CPUs LIST)` of a process and its descendants: what runs where."""
+    out = []
+    root = psutil.Process(pid)
+    for p in [root, *(root.children(recursive=True) if tree else [])]:
+        try:
+            name = p.name()
+            if "resource_tracker" in " ".join(p.cmdline()):
+                continue  # multiprocessing's helper
+            out.append(f"{name} (CPUs {','.join(map(str, p.cpu_affinity()))})")
+        except psutil.Error:
+            pass
+    return out
+
+
+def own_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and every descendant it has now."""
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def warm(target: Target, port: int) -> None:
+    """One untimed completion: the target answers before the client starts."""
+    code, body = post_json(port, "/v1/completions", {"model": target.model, "prompt": "hello",
+                                                     "max_tokens": 4, "temperature": 0})
+    if code != 200:
+        raise BenchError(f"{target.key}: a first completion answered HTTP {code}: {body}")
+
+
+def serving_section(python: str, checkpoint: Path, cache: Path, scratch: Path,
+                    cleanup: Cleanup, workload: Workload) -> dict[str, Any]:
+    """Section 5: the bare server and the daemon (both groups) start at once, untimed; then the
+    client runs the schedule; then both are stopped."""
+    tracker = cleanup.tracker
+    bare = VllmServe(python, checkpoint, scratch, tracker, "serving", SERVE_ARGS)
+    cleanup.started.append(bare)
+    bare.start()
+    daemon = ServingDaemon(serving_engines(python, cache, checkpoint, scratch), tracker)
+    cleanup.start(daemon)
+    bare.wait_health()
+    for name in (f"{GROUP}-0", f"{SERVED}-0"):
+        daemon.wait_ready(1, name=name)
+    gateway = f"http://127.0.0.1:{daemon.gateway_port}"
+    targets = {"serve": Target("serve", f"http://127.0.0.1:{bare.port}", str(checkpoint)),
+               "backend": Target("backend", gateway, GROUP),
+               "command": Target("command", gateway, SERVED)}
+    for t in targets.values():
+        warm(t, bare.port if t.key == "serve" else daemon.gateway_port)
+    bare.track()
+    served_pid = daemon.engine(f"{SERVED}-0")["pid"]
+    for p in psutil.Process(served_pid).children(recursive=True):
+        tracker.add(p.pid)
+    layout = {"serve": processes(bare.proc.pid),  # type: ignore[union-attr]
+              "backend": processes(daemon.engine(f"{GROUP}-0")["pid"]),
+              "command": processes(served_pid), "daemon": processes(daemon.pid, False)}
+
+    # how busy the machine is with every target up and idle (they stay up through each other's
+    # runs), and how much of it is ours: 5 s, after 2 s of rest
+    time.sleep(2.0)
+    cpu0, own0, t0 = psutil.cpu_times(), own_cpu_s(), time.monotonic()
+    time.sleep(5.0)
+    idle_busy = cpu_busy_pct(cpu0)
+    idle_own = 100.0 * (own_cpu_s() - own0) / ((time.monotonic() - t0) * psutil.cpu_count())
+
+    result_dir = scratch / "serving-results"
+    runs, keys = [], []
+    for r, c, pos, key in schedule(workload):
+        name = f"r{r}-c{c}-{key}"
+        seed = 1 + r * len(workload.prompts) + list(workload.prompts).index(c)
+        runs.append({"name": name, "argv": client_argv(targets[key], checkpoint, c,
+                                                        workload.prompts[c], workload.length,
+                                                        seed, result_dir, name)})
+        keys.append((r, c, pos, key))
+    bound = 600.0 + 30.0 * sum(workload.prompts.values()) * workload.rounds * len(TARGETS) \
+        * workload.length / 128
+    t0 = time.time()
+    lines, stdout = run_client(python, runs, scratch, bound)
+    total_s = time.time() - t0
+    notes = notes_of(stdout)
+    measured = []
+    for (r, c, pos, key), run, line in zip(keys, runs, lines):
+        if line["error"]:
+            raise BenchError(f"vLLM's serving benchmark, run {run['name']}: {line['error']}")
+        result = json.loads((result_dir / f"{run['name']}.json").read_text())
+        measured.append({"round": r, "concurrency": c, "position": pos, "target": key,
+                         "notes": notes.get(run["name"], []), **digest(result, line)})
+
+    # nothing restarted under engined, the bare server still up: every run met the same server
+    engines = {e["name"]: e for e in daemon.status()["engines"]}
+    restarts = {name: e["incarnation"] - 1 for name, e in engines.items()}
+    serve_alive = bare.alive()
+    cleanup.stop(daemon)
+    daemon.remove_dir()
+    cleanup.stop(bare)
+    return {"workload": workload, "runs": measured, "idle_busy_pct": idle_busy,
+            "idle_own_pct": idle_own, "layout": layout,
+            "client_s": total_s, "restarts": restarts, "serve_alive": serve_alive}
