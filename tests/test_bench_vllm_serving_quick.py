@@ -1,0 +1,92 @@
+"""The vLLM benchmark's serving section runs once, in its quick mode, so that it cannot rot.
+
+`python -m bench.vllm --quick --only serving` in a subprocess (about 1-2 minutes on a 2-core
+box: three vLLM servers start, then six short runs of vLLM's own serving benchmark): it must
+exit 0 and write section 5 with a row for every target at every concurrency, every request
+completed and none failed, every figure a number, and a verdict for each engined path. Nothing
+here asserts speed (benchmarks report, tests don't time), nor whether the target was met.
+
+It needs the vLLM venv, found as the vLLM tier finds it (tests/vllm/conftest.py):
+ENGINED_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python. Without it the test skips, except under
+CI=true, where it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from benchreport import section, sections, tables
+from driver import vllm_python_or_skip
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.bench, pytest.mark.vllm, pytest.mark.timeout(900)]
+TIMEOUT_S = 800  # a bound, not a timing assertion: the quick run takes ~1-2 min idle
+
+TARGETS = ("`vllm serve` alone", "engined gateway → `backend: vllm`",
+           "engined gateway → `vllm serve` (command engine)")
+ENGINED = TARGETS[1:]
+PROMPTS = {"8": 16, "32": 32}  # bench.vllm.serving.QUICK
+LENGTH = "32"
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    return vllm_python_or_skip("the vLLM serving benchmark")
+
+
+def is_number(cell: str) -> bool:
+    return re.fullmatch(r"\d+(\.\d+)?", cell) is not None
+
+
+def test_vllm_serving_quick_produces_every_row(tmp_path: Path, vllm_python: str) -> None:
+    out = tmp_path / "vllm-serving.md"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ENGINED_") and k not in ("NOTIFY_SOCKET", "PYTHONPATH")}
+    done = subprocess.run([sys.executable, "-m", "bench.vllm", "--quick", "--only", "serving",
+                           "--vllm-python", vllm_python, "--out", str(out)], cwd=REPO_ROOT,
+                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    text = out.read_text()
+    assert text in done.stdout.replace("\r", "")  # the same tables were printed
+    assert "processes left over and killed by pid: none" in text, text[-500:]
+    check_report(text)
+
+
+def check_report(text: str) -> None:
+    secs = sections(text)
+    body = section(secs, "5. Serving")
+    figures, runs = tables(body)
+    assert len(figures) == len(TARGETS) * len(PROMPTS), figures
+    for c, n in PROMPTS.items():
+        for target in TARGETS:
+            (row,) = [row for row in figures if row[:2] == [target, c]]
+            assert row[2] == f"{n} / 0", row  # every request completed, none failed
+            assert all(is_number(cell) for cell in row[3:9]), row
+            assert row[9] == LENGTH, row  # --ignore-eos: exactly that many tokens each
+    # every run once, in a rotating order, each with its numbers
+    assert len(runs) == len(figures), runs
+    assert sorted((row[2], row[3]) for row in runs) == sorted((c, t) for c in PROMPTS
+                                                              for t in TARGETS), runs
+    assert all(all(is_number(cell) for cell in row[4:]) for row in runs), runs
+    assert [row[3] for row in runs if row[2] == "8"][0] == TARGETS[0], runs  # round 0, k 0
+    assert [row[3] for row in runs if row[2] == "32"][0] == TARGETS[1], runs  # round 0, k 1
+    # one comparison line per concurrency and engined path, with both ratios and a verdict
+    for c in PROMPTS:
+        for target in ENGINED:
+            line = next((x for x in body.splitlines()
+                         if x.startswith(f"- at {c} concurrent, {target} against")), None)
+            assert line is not None, (c, target, body)
+            assert re.search(r"output throughput \d+\.\d+×, median TTFT \d+\.\d+×", line), line
+            assert line.endswith(("PASS", ")")) and ("PASS" in line or "MISS (" in line), line
+    assert "restarts under engined during them: none" in body, body[-1500:]
+
+    (summary,) = tables(section(secs, "Summary"))
+    rows = [row for row in summary if row[0].startswith("serving (vLLM's benchmark)")]
+    assert len(rows) == len(PROMPTS) * len(ENGINED), summary
+    assert all(row[-1] == "PASS" or row[-1].startswith("MISS (") for row in rows), rows
