@@ -61,7 +61,7 @@ def test_vllm_serving_quick_produces_every_row(tmp_path: Path, vllm_python: str)
 def check_report(text: str) -> None:
     secs = sections(text)
     body = section(secs, "5. Serving")
-    figures, runs = tables(body)
+    figures, cpu, runs = tables(body)
     assert len(figures) == len(TARGETS) * len(PROMPTS), figures
     for c, n in PROMPTS.items():
         for target in TARGETS:
@@ -69,6 +69,10 @@ def check_report(text: str) -> None:
             assert row[2] == f"{n} / 0", row  # every request completed, none failed
             assert all(is_number(cell) for cell in row[3:9]), row
             assert row[9] == LENGTH, row  # --ignore-eos: exactly that many tokens each
+    # CPU per request by process group: a row per target and concurrency, every cell a number
+    assert sorted((row[0], row[1]) for row in cpu) == sorted((t, c) for c in PROMPTS
+                                                             for t in TARGETS), cpu
+    assert all(all(is_number(cell) for cell in row[2:]) for row in cpu), cpu
     # every run once, in a rotating order, each with its numbers
     assert len(runs) == len(figures), runs
     assert sorted((row[2], row[3]) for row in runs) == sorted((c, t) for c in PROMPTS

@@ -11,8 +11,8 @@ The client is one process under the vLLM interpreter (`CLIENT`: vLLM's `add_cli_
 runs every measurement in turn, so vLLM is imported once and never during a run. Each run starts
 with vLLM's own warm-up (`--num-warmups C`: one wave of C requests at the run's concurrency), then
 the measured requests. The order rotates: in round r at the k-th concurrency the targets run
-from position (r + k) mod 3, so over three rounds each target runs first, second and third once
-at every concurrency.
+from position (r + k) mod 3, so in every three rounds each target runs first, second and third
+once at every concurrency.
 """
 
 from __future__ import annotations
@@ -62,15 +62,22 @@ DIGEST = {  # what a run keeps of vLLM's result JSON
     "median_tpot_ms": "median_tpot_ms", "median_itl_ms": "median_itl_ms",
     "p99_itl_ms": "p99_itl_ms", "max_concurrent_requests": "max_concurrent_requests"}
 
-# The client: one process, every run in turn (a JSON list of {name, argv}); per run a RUN line
-# with its wall times, how busy the machine's CPUs were, and how much of that was not the
+# Where CPU time goes, by process group (`ROLES`: the pids of each, given to the client).
+ROLES = ("client", "daemon", "engine", "served", "serve")
+# The client: one process, every run in turn ({roles, runs: [{name, argv}]}); per run a RUN line
+# with its wall times, how busy the machine's CPUs were, how much of that was not the
 # benchmark's own processes (the bench's process tree: the client, every server, the daemon and
-# its engines): the load others put on a shared machine during the run; or the error it raised.
+# its engines), i.e. the load others put on a shared machine during the run, and the CPU seconds
+# of each role; or the error the run raised.
 CLIENT = """
 import json, os, sys, time, traceback
 import psutil
 from vllm.benchmarks.serve import add_cli_args, main
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+plan = json.load(open(sys.argv[1]))
+role_of = {pid: role for role, pids in plan["roles"].items() for pid in pids}
+role_of[os.getpid()] = "client"
 
 def ours():
     root = psutil.Process(os.getppid())
@@ -86,7 +93,7 @@ def ours():
 def busy_s(t):
     return sum(t) - t.idle - t.iowait
 
-for run in json.load(open(sys.argv[1])):
+for run in plan["runs"]:
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(run["argv"])
@@ -100,7 +107,11 @@ for run in json.load(open(sys.argv[1])):
     total = sum(cpu1) - sum(cpu0)
     busy = busy_s(cpu1) - busy_s(cpu0)
     own = sum(v - own0.get(k, 0.0) for k, v in own1.items())
-    line = {"name": run["name"], "t0": t0, "t1": t1, "error": error,
+    roles = {}
+    for (pid, created), v in own1.items():
+        role = role_of.get(pid, "other")
+        roles[role] = roles.get(role, 0.0) + v - own0.get((pid, created), 0.0)
+    line = {"name": run["name"], "t0": t0, "t1": t1, "error": error, "cpu_s": roles,
             "cpu_busy_pct": 100.0 * busy / max(total, 1e-9),
             "others_pct": 100.0 * max(0.0, busy - own) / max(total, 1e-9)}
     print("RUN " + json.dumps(line), flush=True)
@@ -123,7 +134,9 @@ class Workload:
                 + f"; {self.rounds} round(s)")
 
 
-FULL = Workload(128, {8: 64, 32: 128}, 3)
+# six rounds: the runs are short (3-13 s here), and on 2 cores one run of the same server can be
+# twice as fast as the next (see the README), so a median needs several
+FULL = Workload(128, {8: 64, 32: 128}, 6)
 QUICK = Workload(32, {8: 16, 32: 32}, 1)
 
 
@@ -194,6 +207,7 @@ def digest(result: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     out["wall_s"] = run["t1"] - run["t0"]
     out["cpu_busy_pct"] = run["cpu_busy_pct"]
     out["others_pct"] = run["others_pct"]
+    out["cpu_s"] = run["cpu_s"]
     return out
 
 
@@ -213,10 +227,10 @@ def notes_of(stdout: str) -> dict[str, list[str]]:
     return notes
 
 
-def run_client(python: str, runs: list[dict[str, Any]], scratch: Path, timeout_s: float
-               ) -> tuple[list[dict[str, Any]], str]:
+def run_client(python: str, runs: list[dict[str, Any]], roles: dict[str, list[int]],
+               scratch: Path, timeout_s: float) -> tuple[list[dict[str, Any]], str]:
     plan = scratch / "serving-runs.json"
-    plan.write_text(json.dumps(runs))
+    plan.write_text(json.dumps({"roles": roles, "runs": runs}))
     log = scratch / "serving-client.log"
     env = {**serve_env(), "TMPDIR": str(scratch)}
     try:
@@ -248,6 +262,11 @@ def processes(pid: int, tree: bool = True) -> list[str]:
         except psutil.Error:
             pass
     return out
+
+
+def tree_pids(pid: int) -> list[int]:
+    root = psutil.Process(pid)
+    return [root.pid, *(p.pid for p in root.children(recursive=True))]
 
 
 def own_cpu_s() -> float:
@@ -294,9 +313,13 @@ def serving_section(python: str, checkpoint: Path, cache: Path, scratch: Path,
     served_pid = daemon.engine(f"{SERVED}-0")["pid"]
     for p in psutil.Process(served_pid).children(recursive=True):
         tracker.add(p.pid)
+    engine_pid = daemon.engine(f"{GROUP}-0")["pid"]
     layout = {"serve": processes(bare.proc.pid),  # type: ignore[union-attr]
-              "backend": processes(daemon.engine(f"{GROUP}-0")["pid"]),
+              "backend": processes(engine_pid),
               "command": processes(served_pid), "daemon": processes(daemon.pid, False)}
+    roles = {"daemon": [daemon.pid], "engine": [engine_pid],
+             "served": tree_pids(served_pid),
+             "serve": tree_pids(bare.proc.pid)}  # type: ignore[union-attr]
 
     # how busy the machine is with every target up and idle (they stay up through each other's
     # runs), and how much of it is ours: 5 s, after 2 s of rest
@@ -318,7 +341,7 @@ def serving_section(python: str, checkpoint: Path, cache: Path, scratch: Path,
     bound = 600.0 + 30.0 * sum(workload.prompts.values()) * workload.rounds * len(TARGETS) \
         * workload.length / 128
     t0 = time.time()
-    lines, stdout = run_client(python, runs, scratch, bound)
+    lines, stdout = run_client(python, runs, roles, scratch, bound)
     total_s = time.time() - t0
     notes = notes_of(stdout)
     measured = []

@@ -11,12 +11,16 @@ from typing import Any
 
 from bench.report import DASH, Report, table, times
 from bench.vllm.engine import SERVE_MODULE
-from bench.vllm.serving import CLIENT_FLAGS, SEQS, SERVE_ARGS, TARGETS, Workload
+from bench.vllm.serving import CLIENT_FLAGS, ROLES, SEQS, SERVE_ARGS, TARGETS, Workload
 
 TARGET_LABELS = {"serve": "`vllm serve` alone",
                  "backend": "engined gateway → `backend: vllm`",
                  "command": "engined gateway → `vllm serve` (command engine)"}
 ENGINED = ("backend", "command")
+ROLE_LABELS = {"client": "client", "daemon": "engined daemon (gateway)",
+               "engine": "engined `backend: vllm` engine",
+               "served": "`vllm serve` under engined", "serve": "`vllm serve` alone",
+               "other": "the bench's other processes"}
 COLUMNS = ("target", "concurrency", "completed / failed", "requests/s", "output tok/s",
            "TTFT median ms", "TTFT p99 ms", "TPOT median ms", "ITL median ms",
            "output tokens per request")
@@ -110,6 +114,18 @@ def report_serving(r: Report, out: dict[str, Any]) -> list[dict[str, Any]]:
     if failed or notes:
         r("")
 
+    r("CPU time by process group, in ms of CPU per completed request (median over rounds; "
+      "every process of the group, its threads and children included):", "",
+      *table("target", "concurrency", *(ROLE_LABELS[k] for k in (*ROLES, "other")), "all"))
+    for c in w.prompts:
+        for key in TARGETS:
+            rs = [x for x in runs if x["concurrency"] == c and x["target"] == key]
+            cells = [_num(_med([{"v": 1e3 * x["cpu_s"].get(role, 0.0) / max(1, x["completed"])}
+                                for x in rs], "v"), 1) for role in (*ROLES, "other")]
+            total = _num(_med([{"v": 1e3 * sum(x["cpu_s"].values()) / max(1, x["completed"])}
+                               for x in rs], "v"), 1)
+            r(f"| {TARGET_LABELS[key]} | {c} | {' | '.join(cells)} | {total} |")
+    r("")
     r("Every run, in the order it ran:", "",
       *table("#", "round", "concurrency", "target", "requests/s", "output tok/s",
              "TTFT median ms", "input tokens", "run s", "CPU busy %", "others' CPU %"))
