@@ -2,6 +2,7 @@
 
     python -m bench.vllm [--quick] [--out FILE]   # default bench/results/vllm.md,
                                                    # --quick: bench/results/vllm-quick.md
+    python -m bench.vllm --only serving --out bench/results/vllm-serving.md   # section 5 alone
 
 1. Serving overhead: one `backend: vllm` replica (vLLM's LLMEngine in-process in the engine
    child, builtin:tiny-llama, 1 thread) at 1 and 8 concurrent requests, max_tokens 16 and 64,
@@ -32,6 +33,15 @@
 4. `vllm serve` under engined, as a command engine: SIGKILL of its EngineCore or its API server
    → READY again, against a bare cold start; SIGSTOP of either → engined's verdict (stall or
    hang), against vLLM's own `/health` and a Kubernetes-style liveness probe on a bare server.
+5. Serving: vLLM's own serving benchmark (`vllm.benchmarks.serve`: random prompts, 128 tokens in
+   and 128 out with `--ignore-eos`, greedy, 8 and 32 requests in flight; quick: 32 tokens) against
+   three servers of the same model, all up at once and measured in a rotating order over rounds:
+   `vllm serve` alone, engined's gateway in front of a `backend: vllm` engine (the same engine
+   arguments, max_num_seqs 32), and engined's gateway in front of the same `vllm serve` as a
+   command engine. vLLM's figures from its result JSON (requests/s, output tokens/s, TTFT median
+   and p99, TPOT, ITL, failed requests and their errors), CPU time per request by process group,
+   and the issue's target per concurrency and engined path: throughput at least `vllm serve`'s,
+   median TTFT no worse (paired ratios, median over rounds).
 
 The vLLM interpreter: --vllm-python, else $ENGINED_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python
 (as the vLLM test tier finds it). Prints markdown tables and writes them to --out. Every
@@ -43,5 +53,6 @@ The modules, by question (this file imports none of them: bench.recovery takes `
 - `server`: `vllm serve` on its own, and the HTTP the sections speak to a server;
 - `overhead`, `overhead_report`: sections 1-1d, engined's cost against direct and the floor;
 - `failover`: sections 2 and 3, an engine that dies or freezes, measured and reported;
-- `served`, `served_report`: section 4, `vllm serve` under engined.
+- `served`, `served_report`: section 4, `vllm serve` under engined;
+- `serving`, `serving_report`: section 5, vLLM's serving benchmark through the gateway.
 """
