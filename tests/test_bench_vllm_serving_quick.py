@@ -88,6 +88,11 @@ def check_report(text: str) -> None:
             assert line is not None, (c, target, body)
             assert re.search(r"output throughput \d+\.\d+×, median TTFT \d+\.\d+×", line), line
             assert line.endswith(("PASS", ")")) and ("PASS" in line or "MISS (" in line), line
+    # the texts compared with `vllm serve`'s, request by request (not asserted equal)
+    for target in ENGINED:
+        assert re.search(rf"- greedy outputs of {re.escape(target)} identical to `vllm serve`'s "
+                         rf"\(same round, same prompt\): \d+ of {sum(PROMPTS.values())} "
+                         rf"requests", body), (target, body)
     assert "restarts under engined during them: none" in body, body[-1500:]
 
     (summary,) = tables(section(secs, "Summary"))

@@ -17,6 +17,7 @@ once at every concurrency.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import time
@@ -204,6 +205,11 @@ def digest(result: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
             errors[key] = errors.get(key, 0) + 1
     out["errors"] = errors
     out["output_lens"] = sorted(set(result.get("output_lens") or []))
+    # each request's text (in the order of the prompts), hashed: greedy on the same model and
+    # prompts, every target should write the same
+    out["texts"] = [hashlib.sha1(t.encode()).hexdigest()[:16] if ok else None
+                    for t, ok in zip(result.get("generated_texts") or [],
+                                     [not e for e in result.get("errors") or []])]
     out["wall_s"] = run["t1"] - run["t0"]
     out["cpu_busy_pct"] = run["cpu_busy_pct"]
     out["others_pct"] = run["others_pct"]

@@ -54,6 +54,21 @@ def ratios(runs: list[dict[str, Any]], key: str, c: int, metric: str) -> list[fl
     return out
 
 
+def identical(runs: list[dict[str, Any]], key: str) -> tuple[int, int]:
+    """(requests whose text equals `vllm serve`'s for the same prompt, requests compared)."""
+    by = {(r["round"], r["concurrency"], r["target"]): r for r in runs}
+    same = total = 0
+    for (rnd, c, target), run in by.items():
+        base = by.get((rnd, c, "serve"))
+        if target != key or base is None:
+            continue
+        for a, b in zip(run["texts"], base["texts"]):
+            if a is not None and b is not None:
+                total += 1
+                same += a == b
+    return same, total
+
+
 def _ratio_text(values: list[float]) -> str:
     if not values:
         return DASH
@@ -103,6 +118,10 @@ def report_serving(r: Report, out: dict[str, Any]) -> list[dict[str, Any]]:
               f"round; median (min–max) over rounds); target (throughput ≥ 1.00×, median TTFT "
               f"≤ 1.00×): {'met' if met else 'not met'}, {verdict}")
     r("")
+    for key in ENGINED:
+        same, total = identical(runs, key)
+        r(f"- greedy outputs of {TARGET_LABELS[key]} identical to `vllm serve`'s (same round, "
+          f"same prompt): {same} of {total} requests")
     failed = [x for x in runs if x["failed"] or x["errors"]]
     for x in failed:
         errors = "; ".join(f"{n} × {e}" for e, n in x["errors"].items()) or DASH
