@@ -35,7 +35,7 @@
    hang), against vLLM's own `/health` and a Kubernetes-style liveness probe on a bare server.
 5. Serving: vLLM's own serving benchmark (`vllm.benchmarks.serve`: random prompts, 128 tokens in
    and 128 out with `--ignore-eos`, greedy, 8 and 32 requests in flight; quick: 32 tokens) against
-   three servers of the same model, all up at once and measured in a rotating order over rounds:
+   three servers of the same model, all up at once and measured in every order over rounds:
    `vllm serve` alone, engined's gateway in front of a `backend: vllm` engine (the same engine
    arguments, max_num_seqs 32), and engined's gateway in front of the same `vllm serve` as a
    command engine. vLLM's figures from its result JSON (requests/s, output tokens/s, TTFT median

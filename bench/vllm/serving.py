@@ -9,15 +9,16 @@ greedy, at 8 and 32 requests in flight (`--max-concurrency`); vLLM's figures are
 The client is one process under the vLLM interpreter (`CLIENT`: vLLM's `add_cli_args` and
 `main`, as tests/vllm drives it; the CPU wheel's `vllm` command cannot read its own version) that
 runs every measurement in turn, so vLLM is imported once and never during a run. Each run starts
-with vLLM's own warm-up (`--num-warmups C`: one wave of C requests at the run's concurrency), then
-the measured requests. The order rotates: in round r at the k-th concurrency the targets run
-from position (r + k) mod 3, so in every three rounds each target runs first, second and third
-once at every concurrency.
+SETTLE_S after the previous one, with vLLM's own warm-up (`--num-warmups C`: one wave of C
+requests at the run's concurrency), then the measured requests. The order (`schedule`): every
+permutation of the three targets, one per round, so that over six rounds each runs in every
+position and after each other target equally often.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import subprocess
 import time
@@ -44,6 +45,11 @@ SEQS = max(CONCURRENCY)  # max_num_seqs of every target: the highest concurrency
 # scheduler directly).
 SERVE_ARGS = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", str(SEQS)]
 TARGETS = ("serve", "backend", "command")
+# Every order of the three: over six rounds each target runs first, second and third twice at
+# every concurrency, and right after each of the other two equally often (a run's predecessor
+# matters: vLLM's Worker spins for about a second after its last request)
+ORDERS = list(itertools.permutations(TARGETS))
+SETTLE_S = 3.0  # the pause before each run, untimed: the previous target's processes go idle
 # vLLM's serving benchmark, as every run calls it (the capitals are the run's values): random
 # prompts of L tokens, L tokens out whatever the model says (`--ignore-eos`), greedy, N requests
 # C at a time after C warm-up requests. The seed is the run's place in the schedule (1 + round x
@@ -95,6 +101,7 @@ def busy_s(t):
     return sum(t) - t.idle - t.iowait
 
 for run in plan["runs"]:
+    time.sleep(plan["settle_s"])
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(run["argv"])
@@ -135,8 +142,9 @@ class Workload:
                 + f"; {self.rounds} round(s)")
 
 
-# six rounds: the runs are short (3-13 s here), and on 2 cores one run of the same server can be
-# twice as fast as the next (see the README), so a median needs several
+# six rounds (every order of the targets once): the runs are short (3-13 s here), and on 2 cores
+# one run of the same server can be twice as fast as the next (see the README), so a median needs
+# several
 FULL = Workload(128, {8: 64, 32: 128}, 6)
 QUICK = Workload(32, {8: 16, 32: 32}, 1)
 
@@ -184,13 +192,13 @@ def client_argv(target: Target, tokenizer: Path, c: int, n: int, length: int, se
 
 
 def schedule(workload: Workload) -> list[tuple[int, int, int, str]]:
-    """(round, concurrency, position, target) in the order they run."""
+    """(round, concurrency, position, target) in the order they run: round r at the k-th
+    concurrency runs the targets in ORDERS[(r + 3k) mod 6]."""
     runs = []
     for r in range(workload.rounds):
         for k, c in enumerate(workload.prompts):
-            shift = (r + k) % len(TARGETS)
-            for pos, key in enumerate(TARGETS[shift:] + TARGETS[:shift]):
-                runs.append((r, c, pos, key))
+            order = ORDERS[(r + 3 * k) % len(ORDERS)]
+            runs.extend((r, c, pos, key) for pos, key in enumerate(order))
     return runs
 
 
@@ -236,7 +244,7 @@ def notes_of(stdout: str) -> dict[str, list[str]]:
 def run_client(python: str, runs: list[dict[str, Any]], roles: dict[str, list[int]],
                scratch: Path, timeout_s: float) -> tuple[list[dict[str, Any]], str]:
     plan = scratch / "serving-runs.json"
-    plan.write_text(json.dumps({"roles": roles, "runs": runs}))
+    plan.write_text(json.dumps({"roles": roles, "runs": runs, "settle_s": SETTLE_S}))
     log = scratch / "serving-client.log"
     env = {**serve_env(), "TMPDIR": str(scratch)}
     try:
@@ -344,8 +352,9 @@ def serving_section(python: str, checkpoint: Path, cache: Path, scratch: Path,
                                                         workload.prompts[c], workload.length,
                                                         seed, result_dir, name)})
         keys.append((r, c, pos, key))
-    bound = 600.0 + 30.0 * sum(workload.prompts.values()) * workload.rounds * len(TARGETS) \
-        * workload.length / 128
+    # a bound, generous: 30 s per 128-token request wave, plus the pauses and 10 min
+    bound = (600.0 + SETTLE_S * len(runs) + 30.0 * sum(workload.prompts.values())
+             * workload.rounds * len(TARGETS) * workload.length / 128)
     t0 = time.time()
     lines, stdout = run_client(python, runs, roles, scratch, bound)
     total_s = time.time() - t0

@@ -11,7 +11,15 @@ from typing import Any
 
 from bench.report import DASH, Report, table, times
 from bench.vllm.engine import SERVE_MODULE
-from bench.vllm.serving import CLIENT_FLAGS, ROLES, SEQS, SERVE_ARGS, TARGETS, Workload
+from bench.vllm.serving import (
+    CLIENT_FLAGS,
+    ROLES,
+    SEQS,
+    SERVE_ARGS,
+    SETTLE_S,
+    TARGETS,
+    Workload,
+)
 
 TARGET_LABELS = {"serve": "`vllm serve` alone",
                  "backend": "engined gateway → `backend: vllm`",
@@ -176,8 +184,11 @@ def report_serving(r: Report, out: dict[str, Any]) -> list[dict[str, Any]]:
       f"every target in a round; "
       f"`--model` the name each server serves: the model directory for `vllm serve`, the group "
       f"for engined's gateway; `--tokenizer` the model directory for all)",
-      f"- the order: in round r at the k-th concurrency the targets run from position (r + k) "
-      f"mod 3; every target stays up (idle) through the others' runs: with all of them up and "
+      f"- the order: round r at the k-th concurrency runs the targets in the (r + 3k) mod 6-th "
+      f"of their six orders (every target in every position and after each other target "
+      f"equally often over six rounds), each run {SETTLE_S:g} s after the previous one (vLLM's "
+      f"Worker spins for about a second after its last request); every target stays up (idle) "
+      f"through the others' runs: with all of them up and "
       f"idle the machine's CPUs were {out['idle_busy_pct']:.1f} % busy over 5 s, "
       f"{out['idle_own_pct']:.1f} % of them the benchmark's own processes (the rest is other "
       f"work on this shared machine; per run: the last column above)",
