@@ -308,7 +308,7 @@ def serving_section(python: str, checkpoint: Path, cache: Path, scratch: Path,
                     cleanup: Cleanup, workload: Workload) -> dict[str, Any]:
     """Section 5: the bare server and the daemon (both groups) start at once, untimed; then the
     client runs the schedule; then both are stopped."""
-    tracker = cleanup.tracker
+    tracker, began = cleanup.tracker, time.monotonic()
     bare = VllmServe(python, checkpoint, scratch, tracker, "serving", SERVE_ARGS)
     cleanup.started.append(bare)
     bare.start()
@@ -317,6 +317,7 @@ def serving_section(python: str, checkpoint: Path, cache: Path, scratch: Path,
     bare.wait_health()
     for name in (f"{GROUP}-0", f"{SERVED}-0"):
         daemon.wait_ready(1, name=name)
+    start_s = time.monotonic() - began
     gateway = f"http://127.0.0.1:{daemon.gateway_port}"
     targets = {"serve": Target("serve", f"http://127.0.0.1:{bare.port}", str(checkpoint)),
                "backend": Target("backend", gateway, GROUP),
@@ -375,5 +376,6 @@ def serving_section(python: str, checkpoint: Path, cache: Path, scratch: Path,
     daemon.remove_dir()
     cleanup.stop(bare)
     return {"workload": workload, "runs": measured, "idle_busy_pct": idle_busy,
-            "idle_own_pct": idle_own, "layout": layout,
+            "idle_own_pct": idle_own, "layout": layout, "start_s": start_s,
+            "section_s": time.monotonic() - began,
             "client_s": total_s, "restarts": restarts, "serve_alive": serve_alive}

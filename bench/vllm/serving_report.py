@@ -189,10 +189,12 @@ def report_serving(r: Report, out: dict[str, Any]) -> list[dict[str, Any]]:
       f"equally often over six rounds), each run {SETTLE_S:g} s after the previous one (vLLM's "
       f"Worker spins for about a second after its last request); every target stays up (idle) "
       f"through the others' runs: with all of them up and "
-      f"idle the machine's CPUs were {out['idle_busy_pct']:.1f} % busy over 5 s, "
-      f"{out['idle_own_pct']:.1f} % of them the benchmark's own processes (the rest is other "
-      f"work on this shared machine; per run: the last column above)",
-      f"- the client ran {len(runs)} runs in {out['client_s']:.0f} s; restarts under engined "
+      f"idle the machine's CPUs were {out['idle_busy_pct']:.1f} % busy over 5 s, the "
+      f"benchmark's own processes {out['idle_own_pct']:.1f} % (of all CPUs, as the first; what "
+      f"is over it is other work on this shared machine; per run: the last column above)",
+      f"- time: {out['start_s']:.0f} s to start the three targets (at once), "
+      f"{out['client_s']:.0f} s for the client's {len(runs)} runs, {out['section_s']:.0f} s for "
+      f"the section in all; restarts under engined "
       f"during them: {restarted or 'none'}; `vllm serve` alone still up at the end: "
       f"{'yes' if out['serve_alive'] else 'no'}", "")
     return verdicts
