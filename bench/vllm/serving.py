@@ -159,7 +159,7 @@ class Target:
 
 
 class ServingDaemon(BenchDaemon):
-    """engined with two groups behind its gateway (free loopback port), in /tmp/egXXXXXXXX:
+    """engined with two groups behind its gateway (free loopback port), in /tmp/evsXXXXXXXX:
     `vllm` (`backend: vllm`: vLLM's engine in engined's engine child) and `served` (`vllm serve`
     as a command engine, `progress: vllm`)."""
 
@@ -170,7 +170,7 @@ class ServingDaemon(BenchDaemon):
 
     def __init__(self, engines: list[dict[str, Any]], tracker: Tracker) -> None:
         self.gateway_port = free_port()
-        super().__init__("eg", tracker, engines, status_timeout_s=10.0,
+        super().__init__("evs", tracker, engines, status_timeout_s=10.0,
                          supervisor={"gateway": f"127.0.0.1:{self.gateway_port}"})
 
 
