@@ -205,7 +205,7 @@ def test_a_batch_of_prompts_and_n_samples_are_choices_and_each_survives_a_death(
     """prompt: [a, b] with n = 2 is four choices (prompt index x n + sample), answered whole or
     streamed; each choice is its own engine request, so a replica's death mid-stream moves only
     what ran there, and every choice still ends exactly as without the fault."""
-    slow = {**ECHO, "env": {"ENGINED_ECHO_TOKEN_MS": "30"}, "stop_timeout": "2s"}
+    slow = {**ECHO, "env": {"ENGINED_ECHO_TOKEN_MS": "60"}, "stop_timeout": "2s"}
     d, client = gateway([slow])
     prompts = ["first prompt of the batch", "the second one, a little longer"]
     done = client.completions.create(model="echo", prompt=prompts, n=2, max_tokens=200)
@@ -224,8 +224,8 @@ def test_a_batch_of_prompts_and_n_samples_are_choices_and_each_survives_a_death(
             if choice.finish_reason:
                 finishes[choice.index] = choice.finish_reason
         if killed is None and sum(map(len, texts.values())) >= 20:
-            killed = next(n for n, e in d.engines().items() if (e.get("queue") or {}).get(
-                "running"))
+            killed = d.wait_for(lambda: next((n for n, e in d.engines().items() if (
+                e.get("queue") or {}).get("running")), None), 10, "a replica running a choice")
             os.kill(d.engine(killed)["pid"], signal.SIGKILL)
         if chunk.usage:
             usage = chunk.usage
