@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import time
 from typing import Any
 
 CONNECT_TIMEOUT_S = 5.0  # a live daemon accepts at once; a long connect means it is gone or wedged
@@ -19,15 +20,29 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.socket_path = socket_path
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(min(CONNECT_TIMEOUT_S, self.timeout or CONNECT_TIMEOUT_S))
-            sock.connect(self.socket_path)
-            sock.settimeout(self.timeout)  # the per-request read timeout (None: wait forever)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
+        limit = min(CONNECT_TIMEOUT_S, self.timeout or CONNECT_TIMEOUT_S)
+        deadline = time.monotonic() + limit
+        pause = 0.005
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(limit)
+                sock.connect(self.socket_path)
+                sock.settimeout(self.timeout)  # the per-request read timeout (None: forever)
+            except BlockingIOError:
+                # A full accept backlog (a burst of clients, a busy daemon): a unix socket with a
+                # timeout says EAGAIN at once instead of waiting; wait for room, up to `limit`.
+                sock.close()
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+            return
 
 
 def open_request(socket_path: str, method: str, path: str, body: Any = None,
