@@ -263,16 +263,6 @@ def test_logprobs_and_echo_as_vllm_answers_them_and_kept_across_a_death(gateway)
     scored = client.completions.create(model="echo", prompt="xyz", max_tokens=0, echo=True,
                                        logprobs=1, temperature=0)
     assert (scored.choices[0].text, scored.choices[0].logprobs.tokens) == ("xyz", list("xyz"))
-    # vLLM's prompt_logprobs: the prompt's logprobs beside the answer, not in its text; a stream
-    # has no place for them (vLLM's 400)
-    prompted = client.completions.create(model="echo", prompt="xyz", max_tokens=2,
-                                         extra_body={"prompt_logprobs": 1})
-    assert prompted.choices[0].text == "xy", prompted
-    assert prompted.choices[0].prompt_logprobs == [None, *(  # the token is the top 1
-        {str(ord(c)): {"logprob": 0.0, "rank": 1, "decoded_token": c}} for c in "yz")]
-    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
-        client.completions.create(model="echo", prompt="xyz", max_tokens=2, stream=True,
-                                  extra_body={"prompt_logprobs": 1})
 
     chat = client.chat.completions.create(model="echo", messages=[
         {"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2)
@@ -294,6 +284,17 @@ def test_logprobs_and_echo_as_vllm_answers_them_and_kept_across_a_death(gateway)
     assert "".join(tokens) == TEXT + TEXT  # the prompt once, then each token once
     assert offsets == list(range(2 * len(TEXT)))
     assert killed is not None and "moving it" in d.stderr_text()
+
+    # vLLM's prompt_logprobs: the prompt's logprobs beside the answer, not in its text; a stream
+    # has no place for them (vLLM's 400)
+    prompted = client.completions.create(model="echo", prompt="xyz", max_tokens=2,
+                                         extra_body={"prompt_logprobs": 1})
+    assert prompted.choices[0].text == "xy", prompted
+    assert prompted.choices[0].prompt_logprobs == [None, *(  # the token is the top 1
+        {str(ord(c)): {"logprob": 0.0, "rank": 1, "decoded_token": c}} for c in "yz")]
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model="echo", prompt="xyz", max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
 
 
 def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
