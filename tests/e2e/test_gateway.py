@@ -140,6 +140,13 @@ def test_no_replica_in_time_is_503(gateway):
     assert time.monotonic() - began >= 1.0
 
 
+def _idle(d) -> None:
+    """Until no replica is still counted as running an earlier request (heartbeats lag), so
+    that `_serving` finds the next one's replica."""
+    d.wait_for(lambda: not any((e["queue"] or {}).get("running") for e in d.engines().values()),
+               10, "no replica still counted as running")
+
+
 def _serving(d) -> str:
     """The replica a single request in flight is running on."""
     def find() -> str | None:
@@ -272,6 +279,7 @@ def test_logprobs_and_echo_as_vllm_answers_them_and_kept_across_a_death(gateway)
     assert [t.token for t in content[0].top_logprobs] == ["h", "i"]
 
     tokens, offsets, killed = [], [], None
+    _idle(d)
     for chunk in client.completions.create(model="echo", prompt=TEXT, max_tokens=100,
                                            logprobs=1, echo=True, stream=True):
         for choice in chunk.choices:
@@ -351,6 +359,7 @@ def test_the_responses_api_whole_and_streamed_and_kept_across_a_death(gateway):
     assert short.incomplete_details.reason == "max_output_tokens"
 
     kinds, text, killed = [], "", None
+    _idle(d)
     for event in client.responses.create(model="echo", input=TEXT, stream=True):
         kinds.append(event.type)
         if event.type == "response.output_text.delta":
