@@ -145,7 +145,7 @@ def parse_chat(body: dict[str, Any], backend: str = "") -> Batch:
 
 
 def _completion(body: dict[str, Any]) -> Batch:
-    _known(body, COMPLETION_FIELDS)
+    known(body, COMPLETION_FIELDS)
     model = _model(body)
     n = _n(body)
     for field_, ok in (("best_of", (None, 1, n)), ("suffix", (None, ""))):
@@ -172,7 +172,7 @@ def _completion(body: dict[str, Any]) -> Batch:
 
 
 def _chat(body: dict[str, Any], frontend: bool) -> Batch:
-    _known(body, CHAT_FIELDS | (VLLM_CHAT_FIELDS if frontend else set()))
+    known(body, CHAT_FIELDS | (VLLM_CHAT_FIELDS if frontend else set()))
     model = _model(body)
     if frontend:
         messages: list[proto.ChatMessage] = []
@@ -275,7 +275,8 @@ def seeded(sampling: proto.Sampling, j: int) -> proto.Sampling:
     return msgspec.structs.replace(sampling, seed=(sampling.seed + j) % fields.SEED_RANGE)
 
 
-def _known(body: dict[str, Any], fields: set[str]) -> None:
+def known(body: dict[str, Any], fields: set[str]) -> None:
+    """A 400 naming the first field of `body` not in `fields` (the gateway's every body)."""
     unknown = sorted(set(body) - fields)
     if unknown:
         raise bad(unknown[0], f"unrecognized request argument supplied: {unknown[0]}")

@@ -23,6 +23,7 @@ from engined.supervisor.gateway.openai import (
     ApiError,
     Job,
     bad,
+    known,
     outcome,
 )
 from engined.supervisor.gateway.relay import Done, Piece
@@ -37,9 +38,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 def parse(body: dict[str, Any]) -> Job:
     """A Responses request as a chat job; ApiError 400 naming the field."""
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise bad(unknown[0], f"unrecognized request argument supplied: {unknown[0]}")
+    known(body, FIELDS)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "'model' is required: one of GET /v1/models")

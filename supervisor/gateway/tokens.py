@@ -11,7 +11,7 @@ from typing import Any
 
 from engined.engine import protocol as proto
 from engined.supervisor import request_fields as fields
-from engined.supervisor.gateway.openai import ApiError, bad
+from engined.supervisor.gateway.openai import ApiError, bad, known
 from engined.supervisor.gateway.relay import acquire, moved
 from engined.supervisor.incarnation import Incarnation
 from engined.supervisor.ipc import (
@@ -29,9 +29,9 @@ DETOKENIZE_FIELDS = {"model", "tokens"}
 
 def tokenize_request(body: dict[str, Any]) -> proto.GenerateRequest:
     """vLLM's TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest (`messages`)."""
-    _known(body, TOKENIZE_FIELDS)
-    strs = _flag(body, "return_token_strs", False)
+    known(body, TOKENIZE_FIELDS)
     try:
+        strs = fields.flag(body, "return_token_strs")
         if "messages" in body:
             if body.get("add_generation_prompt") not in (None, True):
                 raise bad("add_generation_prompt", "only add_generation_prompt true is "
@@ -43,14 +43,15 @@ def tokenize_request(body: dict[str, Any]) -> proto.GenerateRequest:
         if not isinstance(value, str):
             raise bad("prompt", "'prompt' must be a string (or send 'messages')")
         fields.text(value, "prompt")
+        special = fields.flag(body, "add_special_tokens", True)
     except fields.BadField as exc:
         raise bad(exc.param, exc.message) from None
     return proto.GenerateRequest("", prompt=value, task=proto.TASK_TOKENIZE, token_strs=strs,
-                                 add_special_tokens=_flag(body, "add_special_tokens", True))
+                                 add_special_tokens=special)
 
 
 def detokenize_request(body: dict[str, Any]) -> proto.GenerateRequest:
-    _known(body, DETOKENIZE_FIELDS)
+    known(body, DETOKENIZE_FIELDS)
     ids = body.get("tokens")
     if not isinstance(ids, list) or len(ids) > fields.MAX_PROMPT_CHARS or not all(
             type(t) is int and 0 <= t < 1 << 31 for t in ids):
@@ -109,18 +110,3 @@ async def ask(router: Router, channels: EngineChannels, clock: Callable[[], floa
 
 def _fields(request: proto.GenerateRequest) -> dict[str, Any]:
     return {f: getattr(request, f) for f in request.__struct_fields__}
-
-
-def _known(body: dict[str, Any], known: set[str]) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise bad(unknown[0], f"unrecognized request argument supplied: {unknown[0]}")
-
-
-def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad(key, f"'{key}' must be true or false")
-    return value
