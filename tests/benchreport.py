@@ -1,8 +1,15 @@
-"""Reading a benchmark's markdown report in the quick-mode tests: sections and tables."""
+"""Reading a benchmark's markdown report in the quick-mode tests (sections and tables), and
+running the vLLM benchmark's quick mode for them."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def sections(text: str) -> dict[str, str]:
@@ -30,3 +37,20 @@ def tables(body: str) -> list[list[list[str]]]:
         else:
             current = None
     return [rows[2:] for rows in out]
+
+
+def run_quick_vllm_bench(out: Path, vllm_python: str, timeout_s: float,
+                         *extra: str) -> str:
+    """`python -m bench.vllm --quick [extra...]` in a clean environment: it must exit 0, print
+    the tables it writes to `out` and leave no process behind; returns the report."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ENGINED_") and k not in ("NOTIFY_SOCKET", "PYTHONPATH")}
+    done = subprocess.run([sys.executable, "-m", "bench.vllm", "--quick", *extra,
+                           "--vllm-python", vllm_python, "--out", str(out)], cwd=REPO_ROOT,
+                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    text = out.read_text()
+    assert text in done.stdout.replace("\r", "")  # the same tables were printed
+    assert "processes left over and killed by pid: none" in text, text[-500:]
+    return text

@@ -13,17 +13,13 @@ CI=true, where it fails.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from benchreport import section, sections, tables
+from benchreport import run_quick_vllm_bench, section, sections, tables
 from driver import vllm_python_or_skip
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.bench, pytest.mark.vllm, pytest.mark.timeout(900)]
 TIMEOUT_S = 800  # a bound, not a timing assertion: the quick run takes ~1-2 min idle
 
@@ -44,18 +40,8 @@ def is_number(cell: str) -> bool:
 
 
 def test_vllm_serving_quick_produces_every_row(tmp_path: Path, vllm_python: str) -> None:
-    out = tmp_path / "vllm-serving.md"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("ENGINED_") and k not in ("NOTIFY_SOCKET", "PYTHONPATH")}
-    done = subprocess.run([sys.executable, "-m", "bench.vllm", "--quick", "--only", "serving",
-                           "--vllm-python", vllm_python, "--out", str(out)], cwd=REPO_ROOT,
-                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-    text = out.read_text()
-    assert text in done.stdout.replace("\r", "")  # the same tables were printed
-    assert "processes left over and killed by pid: none" in text, text[-500:]
-    check_report(text)
+    check_report(run_quick_vllm_bench(tmp_path / "vllm-serving.md", vllm_python, TIMEOUT_S,
+                                      "--only", "serving"))
 
 
 def check_report(text: str) -> None:
