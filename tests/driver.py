@@ -283,6 +283,23 @@ class Daemon:
 # --- process helpers --------------------------------------------------------------------------
 
 
+def http_json(method: str, url: str, body: Any = None,
+              timeout_s: float = 30.0) -> tuple[int, Any]:
+    """One JSON request over TCP (a gateway, a server): (status, the JSON answer), errors
+    included."""
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
 def free_port() -> int:
     """A loopback TCP port nothing listens on now (the test's gateway, HTTP or server binds it)."""
     with socket.socket() as sock:

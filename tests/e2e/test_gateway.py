@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from driver import free_port
+from driver import free_port, http_json
 
 ECHO = {"name": "echo", "replicas": 2, "model": "builtin:echo",
         "env": {"ENGINED_ECHO_TOKEN_MS": "20"}}
@@ -306,16 +306,7 @@ def test_logprobs_and_echo_as_vllm_answers_them_and_kept_across_a_death(gateway)
 
 
 def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
-    import json
-    import urllib.error
-    import urllib.request
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return http_json("POST", f"http://127.0.0.1:{port}{path}", body)
 
 
 def test_tokenize_and_detokenize_with_the_engines_own_tokenizer(gateway):

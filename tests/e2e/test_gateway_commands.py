@@ -17,7 +17,7 @@ import threading
 import openai
 import psutil
 import pytest
-from driver import PYTHON, REPO_ROOT
+from driver import PYTHON, REPO_ROOT, http_json
 
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 from commandserver import next_token  # noqa: E402
@@ -220,18 +220,18 @@ def test_the_servers_errors_reach_the_client_as_it_sent_them(gateway):
 def test_the_rest_of_the_servers_api_is_reachable_through_the_gateway(gateway):
     d, client = gateway(fleet())
     base = str(client.base_url).rstrip("/").removesuffix("/v1")
-    assert _http("POST", f"{base}/tokenize", {"model": "fake", "prompt": "ab"}) == (
+    assert http_json("POST", f"{base}/tokenize", {"model": "fake", "prompt": "ab"}) == (
         200, {"tokens": [97, 98], "count": 2,
               "fake_received": {"model": "fake-model", "prompt": "ab"}})
-    code, body = _http("POST", f"{base}/detokenize", {"model": "fake", "tokens": [104, 105]})
+    code, body = http_json("POST", f"{base}/detokenize", {"model": "fake", "tokens": [104, 105]})
     assert (code, body["prompt"]) == (200, "hi")
-    assert _http("GET", f"{base}/version") == (200, {"version": "fake-1.0"})
+    assert http_json("GET", f"{base}/version") == (200, {"version": "fake-1.0"})
     emb = client.embeddings.create(model="fake", input="ab")
     assert emb.model == "fake" and emb.data[0].embedding == [97 / 255, 98 / 255]
-    code, body = _http("POST", f"{base}/v1/responses", {"model": "fake", "input": "abc"})
+    code, body = http_json("POST", f"{base}/v1/responses", {"model": "fake", "input": "abc"})
     assert (code, body["output_text"], body["model"]) == (200, "cba", "fake")
     assert client.models.retrieve("fake").id == "fake"
-    code, body = _http("POST", f"{base}/v1/nothing", {"model": "fake"})
+    code, body = http_json("POST", f"{base}/v1/nothing", {"model": "fake"})
     assert code == 404 and "no route /v1/nothing" in body["error"]["message"]  # the server's
 
 
@@ -267,18 +267,3 @@ def test_a_request_that_cannot_move_mid_stream_is_resent_before_its_first_byte(g
                 victim2 = serving(d)
                 os.kill(d.engine(victim2)["pid"], signal.SIGKILL)
     assert "cannot continue elsewhere: 'n' is set" in str(err.value), err.value
-
-
-def _http(method: str, url: str, body: object = None) -> tuple[int, dict]:
-    import json
-    import urllib.error
-    import urllib.request
-
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())

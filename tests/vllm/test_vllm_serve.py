@@ -22,7 +22,7 @@ from typing import Any
 import openai
 import psutil
 import pytest
-from driver import Daemon, build_spec, free_port, process_gone
+from driver import Daemon, build_spec, free_port, http_json, process_gone
 
 READY_TIMEOUT_S = 240.0  # import, config, weights, KV cache, warm-up on a small CPU box
 # Every wait is bounded; this only catches what is not. A test that comes first pays for the
@@ -154,20 +154,12 @@ def test_the_gateway_answers_as_the_server_does(served: Daemon):
     sent them: the same greedy tokens, text, logprobs and fields, whatever vLLM supports (echo,
     batches of prompts, n, penalties, vLLM's own sampling extras, chat logprobs, /tokenize)."""
     import json
-    import urllib.error
     import urllib.request
 
     e = served.wait_state("served-0", "READY", READY_TIMEOUT_S)
 
     def post(port: int, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                                         data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=120) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+        return http_json("POST", f"http://127.0.0.1:{port}{path}", body, timeout_s=120)
 
     upstream_name = json.loads(urllib.request.urlopen(
         f"http://127.0.0.1:{e['port']}/v1/models", timeout=30).read())["data"][0]["id"]
