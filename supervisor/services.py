@@ -151,7 +151,8 @@ class Services:
                                                  MAX_GATEWAY_CONNECTIONS, "the gateway",
                                                  "gateway"))
             log.info("[gateway] serving the OpenAI API (/v1/completions, /v1/chat/completions, "
-                     "/v1/models) on %s:%d%s", *sup.gateway,
+                     "/v1/responses, /v1/models, /tokenize, /detokenize) on %s:%d%s",
+                     *sup.gateway,
                      " (bearer token required)" if sup.api_key_file else "")
         return runners
 
