@@ -19,6 +19,7 @@ it answers 500/502/503/504) moves to another replica, never back to an incarnati
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from engined.supervisor.gateway.openai import ApiError
@@ -39,6 +41,7 @@ log = logging.getLogger("engined.gateway")
 
 RETRY_STATUS = frozenset({500, 502, 503, 504})  # the server failed, not the request
 MAX_ERROR_BYTES = 1 << 20
+_DECODE, _ENCODE = msgspec.json.Decoder().decode, msgspec.json.Encoder().encode
 # Fields a moved stream keeps the meaning of (with these values: anything else, e.g. `n: 2`,
 # tools or a response_format, limits a move to before the first event).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -218,10 +221,12 @@ class _Stream:
                 try:
                     if response.status != 200:
                         return await self._refused(response, name)
-                    async for event in _events(response, lost, self.deadline, proxy.clock):
-                        finished = await self._event(event, name)
-                        if finished:
-                            return "ok", await self._finish()
+                    async with contextlib.aclosing(_events(response, lost, self.deadline,
+                                                           proxy.clock)) as reads:
+                        async for events in reads:
+                            if await self._relay(events, name):
+                                assert self.response is not None
+                                return "ok", self.response
                 finally:
                     response.close()
             except (EngineLost, aiohttp.ClientError, ConnectionError, ValueError) as exc:
@@ -264,11 +269,26 @@ class _Stream:
             status=response.status, body=_rename_json(data, name, self.model),
             content_type=response.headers.get("Content-Type", "application/json").split(";")[0])
 
-    async def _event(self, event: bytes, name: str) -> bool:
-        """Forward one `data:` event; True at the end of the answer."""
-        if event == b"[DONE]":
-            return True
-        chunk = json.loads(event)
+    async def _relay(self, events: list[bytes], name: str) -> bool:
+        """Forward one read's `data:` events to the client in one write; True at the end of
+        the answer. Events before one that fails the attempt still reach the client."""
+        out: list[bytes] = []
+        done = False
+        try:
+            for event in events:
+                if event == b"[DONE]":
+                    done = True
+                    break
+                out.append(b"data: " + self._event(event, name) + b"\n\n")
+        finally:
+            if out or done:
+                await self._write(b"".join(out) + (b"data: [DONE]\n\n" if done else b""),
+                                  counts=bool(out))
+        return done
+
+    def _event(self, event: bytes, name: str) -> bytes:
+        """One upstream event as the client sees it; its token ids are counted as delivered."""
+        chunk = _decoded(event)
         if not isinstance(chunk, dict):
             raise ValueError(f"not an event object: {event[:100]!r}")
         if "error" in chunk and not chunk.get("choices"):  # the server failed it mid-way
@@ -281,8 +301,7 @@ class _Stream:
             for key in ("id", "object", "created"):
                 if key in chunk:
                     progress.template[key] = chunk[key]
-        await self._send(_scrubbed(chunk, name, self.model, self.wants_ids))
-        return False
+        return _ENCODE(_scrubbed(chunk, name, self.model, self.wants_ids))
 
     def _ids(self, chunk: dict[str, Any]) -> list[int]:
         progress = self.progress
@@ -331,17 +350,17 @@ class _Stream:
         return self.response
 
     async def _send(self, chunk: dict[str, Any]) -> None:
-        if not self.progress.sent:
+        await self._write(b"data: " + _ENCODE(chunk) + b"\n\n")
+
+    async def _write(self, data: bytes, counts: bool = True) -> None:
+        """`data` to the client; `counts`: it holds an event (not only the end marker), after
+        which only a continuation may follow."""
+        if counts and not self.progress.sent:
             self.proxy.on_first(self.model, self.proxy.clock() - self.started)
         response = await self._open()
-        self.progress.sent = True  # from now on only a continuation may follow
-        await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
-                             + b"\n\n")
-
-    async def _finish(self) -> web.StreamResponse:
-        response = await self._open()
-        await response.write(b"data: [DONE]\n\n")
-        return response
+        if counts:
+            self.progress.sent = True
+        await response.write(data)
 
     async def _cannot_continue(self, lease: Lease, lost: str) -> tuple[str, web.StreamResponse]:
         error = ApiError(503, f"the request's engine {lease.replica.name} went away mid-stream "
@@ -376,17 +395,37 @@ async def _until(call: Any, lost: asyncio.Future[None], timeout_s: float) -> Any
 
 
 async def _events(response: aiohttp.ClientResponse, lost: asyncio.Future[None],
-                  deadline: float, clock: Callable[[], float]) -> AsyncIterator[bytes]:
-    """The `data:` payloads of a server-sent event stream, until it ends."""
-    lines = response.content.__aiter__()
-    while True:
-        try:
-            raw = await _until(lines.__anext__(), lost, deadline - clock())
-        except StopAsyncIteration:
-            return
-        line = raw.strip()
-        if line.startswith(b"data:"):
-            yield line[5:].strip()
+                  deadline: float, clock: Callable[[], float]) -> AsyncIterator[list[bytes]]:
+    """The `data:` payloads of a server-sent event stream, a read's worth at a time, until it
+    ends. The incarnation's loss (EngineLost) or the deadline (ApiError) fails the read in
+    progress, or the next one: no task or timer per read, which a token's event would pay."""
+    content = response.content
+
+    def on_lost(future: asyncio.Future[None]) -> None:
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            content.set_exception(error)
+
+    loop = asyncio.get_running_loop()
+    timer = loop.call_later(max(0.0, deadline - clock()), content.set_exception, _timeout())
+    lost.add_done_callback(on_lost)
+    pending = b""
+    try:
+        while data := await content.readany():
+            *lines, pending = (pending + data).split(b"\n")
+            events = [line[5:].strip() for line in lines if line.startswith(b"data:")]
+            if events:
+                yield events
+    finally:
+        timer.cancel()
+        lost.remove_done_callback(on_lost)
+
+
+def _decoded(event: bytes) -> Any:
+    try:
+        return _DECODE(event)
+    except msgspec.DecodeError:  # what msgspec does not read (NaN, say), the json module may
+        return json.loads(event)
 
 
 def _timeout() -> ApiError:

@@ -147,6 +147,24 @@ def test_a_plain_openai_server_cannot_continue_a_stream_and_says_so(gateway):
     assert done.choices[0].text == expected(list(PROMPT.encode()), 5)
 
 
+def test_a_stream_past_its_request_timeout_ends_with_a_timeout_event(gateway):
+    """The deadline ends a stream mid-way: what came before reaches the client, then an error
+    event with code `timeout`; the server is left serving."""
+    d, client = gateway(fleet(tick="0.1", replicas=1, request_timeout="1500ms"))
+    chunks = []
+    with pytest.raises(openai.APIError) as raised:
+        for chunk in client.completions.create(model="fake", prompt=PROMPT, max_tokens=200,
+                                               stream=True):
+            chunks.append(chunk)
+    assert "request_timeout" in str(raised.value)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text and expected(list(PROMPT.encode()), 200).startswith(text)
+    assert len(text) < 200
+    done = client.completions.create(model="fake", prompt=PROMPT, max_tokens=3)
+    assert done.choices[0].text == expected(list(PROMPT.encode()), 3)
+    assert d.engine("fake-0")["restarts"] == 0
+
+
 def test_a_command_engine_without_openai_is_not_served(gateway):
     d, client = gateway(fleet(openai_mode=False))
     assert list(client.models.list()) == []
