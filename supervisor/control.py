@@ -14,12 +14,12 @@ import os
 import socket
 import struct
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from aiohttp import web
 
 from engined.engine import protocol as proto
-from engined.supervisor import __version__
+from engined.supervisor import __version__, bodies
 from engined.supervisor import request_fields as fields
 from engined.supervisor.events import EventLog
 from engined.supervisor.fleet import Fleet, UnknownEngine
@@ -35,7 +35,8 @@ from engined.supervisor.webserver import CLIENT_TIMEOUT_S
 log = logging.getLogger("engined.control")
 
 MAX_BODY_BYTES = 64 * 1024
-DEFAULT_WAIT_S = 120.0
+DEFAULT_WAIT_S = bodies.DEFAULT_WAIT_S
+B = TypeVar("B", bound=bodies.Struct)
 GENERATE_MAX_TOKENS = 64  # POST /v1/generate's default token budget
 
 
@@ -139,32 +140,35 @@ async def _write_line(response: web.StreamResponse, data: dict[str, Any]) -> boo
     return True
 
 
-def generate_request(body: dict[str, Any]) -> proto.GenerateRequest:
-    """`POST /v1/generate`'s body as the engine protocol's request; HTTPBadRequest names what is
-    wrong. `prompt` (text or token ids) or `messages` (a chat), max_tokens (default 64),
-    temperature (default 0: greedy), top_p, seed, stop (a string or a list), stream: the
-    gateway's fields and limits (supervisor.request_fields)."""
-    if body.get("prompt") is not None and body.get("messages") is not None:
-        raise web.HTTPBadRequest(reason="give either 'prompt' or 'messages' (a chat), not both")
+def generate_request(body: dict[str, Any] | bodies.GenerateBody) -> proto.GenerateRequest:
+    """`POST /v1/generate`'s body (supervisor.bodies.GenerateBody) as the engine protocol's
+    request; HTTPBadRequest names what is wrong. `prompt` (text or token ids) or `messages` (a
+    chat), max_tokens (default 64), temperature (default 0: greedy) and the gateway's other
+    sampling fields, with its limits."""
     try:
-        if body.get("messages") is None:
-            prompt, prompt_ids = fields.prompt(body.get("prompt"))
+        ask = body if isinstance(body, bodies.GenerateBody) else read(body, bodies.GenerateBody)
+        if ask.prompt is not None and ask.messages is not None:
+            raise bodies.BadField("messages", "give either 'prompt' or 'messages' (a chat), "
+                                              "not both")
+        if ask.messages is None:
+            prompt, prompt_ids = fields.prompt(ask.prompt)
             chat = None
         else:
-            prompt, prompt_ids, chat = "", None, fields.messages(body["messages"])
-        sampling = fields.sampling(body, "max_tokens", GENERATE_MAX_TOKENS, 0.0)
-        stream = fields.stream(body)
+            prompt, prompt_ids, chat = "", None, fields.messages(ask.messages)
+        sampling = fields.sampling(ask, ask.max_tokens, GENERATE_MAX_TOKENS, 0.0)
     except fields.BadField as exc:
         raise web.HTTPBadRequest(reason=exc.message) from None
     return proto.GenerateRequest(new_request_id(), prompt=prompt, prompt_ids=prompt_ids,
-                                 messages=chat, sampling=sampling, stream=stream)
+                                 messages=chat, sampling=sampling, stream=bool(ask.stream))
 
 
-def _number(body: dict, key: str, default: float, low: float, high: float) -> float:
-    value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise web.HTTPBadRequest(reason=f"{key!r} must be a number in [{low:g}, {high:g}]")
-    return float(value)
+def read(body: dict[str, Any], kind: type[B]) -> B:
+    """A control request's body as its declaration (supervisor.bodies); HTTPBadRequest naming
+    the field."""
+    try:
+        return bodies.read(body, kind)
+    except bodies.BadField as exc:
+        raise web.HTTPBadRequest(reason=exc.message) from None
 
 
 class _Routes:
@@ -187,14 +191,8 @@ class _Routes:
         action = request.match_info["action"]
         if action not in ("start", "stop", "restart"):
             raise web.HTTPNotFound(reason=f"unknown action {action!r}")
-        body = await _json_body(request)
-        wait = body.get("wait", True)
-        if not isinstance(wait, bool):
-            raise web.HTTPBadRequest(reason="'wait' must be true or false")
-        timeout_s = _number(body, "timeout_s", DEFAULT_WAIT_S, 0, 86400)
-        all_at_once = body.get("all_at_once", False)
-        if not isinstance(all_at_once, bool):
-            raise web.HTTPBadRequest(reason="'all_at_once' must be true or false")
+        ask = read(await _json_body(request), bodies.ActionBody)
+        wait, timeout_s, all_at_once = ask.wait, ask.timeout_s, ask.all_at_once
         fleet = self.ctx.fleet
         try:
             affected = fleet.affected(request.match_info["name"])
@@ -253,12 +251,9 @@ class _Routes:
         return await _follow(request, replicas, prefixes, head)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
-        engine = body.get("engine")
-        if engine is not None and not isinstance(engine, str):
-            return _error(400, "'engine' must be a string or null")
-        gen = generate_request(body)  # raises HTTPBadRequest naming the field
-        timeout_s = _number(body, "timeout_s", 300, 0.001, 3600)
+        ask = read(await _json_body(request), bodies.GenerateBody)
+        gen = generate_request(ask)  # raises HTTPBadRequest naming the field
+        engine, timeout_s = ask.engine, ask.timeout_s
         started = time.monotonic()
         try:
             lease, stream = await self._open(engine, gen, started + timeout_s)

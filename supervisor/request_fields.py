@@ -1,8 +1,9 @@
 """What a generation request asks for, read one way at both front doors: the control socket's
-`POST /v1/generate` and the gateway's OpenAI routes. The same fields (a prompt, as text or token
-ids, or chat messages; the token budget, temperature, top_p, seed, stop strings, stream), the
-same limits and the same messages; each door keeps only its defaults (the control socket is
-greedy with 64 tokens, OpenAI's completions sample with 16) and how it answers a `BadField`.
+`POST /v1/generate` and the gateway's OpenAI routes. Their bodies are declared once
+(supervisor.bodies: types, limits, the field path of what is wrong); here is what a declaration
+cannot say, and the engine protocol's request made of them: a prompt (text, token ids, or a
+batch of either) or chat messages; the sampling fields with each door's defaults (the control
+socket is greedy with 64 tokens, OpenAI's completions sample with 16).
 """
 
 from __future__ import annotations
@@ -10,22 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from engined.engine import protocol as proto
+from engined.supervisor.bodies import (
+    MAX_MESSAGES,
+    MAX_PROMPT_CHARS,
+    BadField,
+    Sampled,
+)
 
-MAX_PROMPT_CHARS = 1 << 20  # characters of text, or token ids
-MAX_TOKENS_LIMIT = 1 << 20
-MAX_MESSAGES = 4096
-MAX_STOP = 16  # stop strings (OpenAI allows 4, vLLM any number: each is checked per token)
-MAX_STOP_CHARS = 1024
 SEED_RANGE = 2**63  # what the engines take; OpenAI's int64 seeds are folded into it
 ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer "system"
 
-
-class BadField(ValueError):
-    """A field the request cannot have: which one (`param`) and why, for the client."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param, self.message = param, message
+__all__ = ["BadField", "MAX_MESSAGES", "MAX_PROMPT_CHARS", "messages", "prompt", "prompts",
+           "sampling", "text"]
 
 
 def prompt(value: Any) -> tuple[str, list[int] | None]:
@@ -96,133 +93,50 @@ def messages(value: Any) -> list[proto.ChatMessage]:
     return out
 
 
-# vLLM's sampling fields beyond OpenAI's, with its names (the engine protocol's Sampling)
-SAMPLING_FIELDS = ("top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "logit_bias", "min_tokens", "ignore_eos",
-                   "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
-MAX_BIASED_TOKENS = 300  # OpenAI's limit for logit_bias
-MAX_STOP_TOKEN_IDS = 64
-
-
-def sampling(body: dict[str, Any], max_tokens_key: str, max_tokens_default: int,
-             temperature_default: float) -> proto.Sampling:
-    budget = max_tokens(body, max_tokens_key, max_tokens_default)
-    least = integer(body, "min_tokens", 0, 0, MAX_TOKENS_LIMIT)
+def sampling(body: Sampled, budget: int | None, default: int,
+             temperature_default: float, budget_key: str = "max_tokens") -> proto.Sampling:
+    """The engine protocol's sampling from a declared body: `budget` is its token budget
+    (`budget_key` names it: max_tokens, max_completion_tokens, max_output_tokens), `default`
+    and `temperature_default` the route's."""
+    budget = default if budget is None else budget
+    least = body.min_tokens or 0
     if least > budget:
         raise BadField("min_tokens", f"'min_tokens' ({least}) must not exceed "
-                                     f"'{max_tokens_key}' ({budget})")
+                                     f"'{budget_key}' ({budget})")
     return proto.Sampling(
         max_tokens=budget,
-        temperature=number(body, "temperature", temperature_default, 0.0, 2.0),
-        top_p=number(body, "top_p", 1.0, 1e-9, 1.0), seed=seed(body), stop=stop(body),
-        top_k=top_k(body), min_p=number(body, "min_p", 0.0, 0.0, 1.0),
-        repetition_penalty=number(body, "repetition_penalty", 1.0, 1e-9, 100.0),
-        presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        logit_bias=logit_bias(body), min_tokens=least, ignore_eos=flag(body, "ignore_eos"),
-        stop_token_ids=token_ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS),
-        include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
-        skip_special_tokens=flag(body, "skip_special_tokens", True))
+        temperature=_or(body.temperature, temperature_default), top_p=_or(body.top_p, 1.0),
+        seed=seed(body.seed), stop=stop(body.stop),
+        top_k=0 if body.top_k in (None, -1) else body.top_k,  # -1 and 0 both mean off
+        min_p=_or(body.min_p, 0.0), repetition_penalty=_or(body.repetition_penalty, 1.0),
+        presence_penalty=_or(body.presence_penalty, 0.0),
+        frequency_penalty=_or(body.frequency_penalty, 0.0),
+        logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+        min_tokens=least, ignore_eos=bool(body.ignore_eos),
+        stop_token_ids=list(body.stop_token_ids or ()),
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        skip_special_tokens=body.skip_special_tokens is not False)
 
 
-def integer(body: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise BadField(key, f"'{key}' must be an integer in [{low}, {high}]")
-    return value
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else float(value)
 
 
-def top_k(body: dict[str, Any]) -> int:
-    value = integer(body, "top_k", 0, -1, MAX_TOKENS_LIMIT)
-    return 0 if value == -1 else value  # -1 and 0 both mean off (vLLM's older and newer)
-
-
-def flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadField(key, f"'{key}' must be true or false")
-    return value
-
-
-def logit_bias(body: dict[str, Any]) -> dict[int, float]:
-    """OpenAI's {"token id": bias}: ids as strings (JSON keys), biases in [-100, 100]."""
-    value = body.get("logit_bias")
-    if value is None:
-        return {}
-    out: dict[int, float] = {}
-    if isinstance(value, dict) and len(value) <= MAX_BIASED_TOKENS:
-        for key, bias in value.items():
-            if not (isinstance(key, str) and key.isdigit() and len(key) <= 9) or isinstance(
-                    bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-                break
-            out[int(key)] = float(bias)
-        else:
-            return out
-    raise BadField("logit_bias", f"'logit_bias' must map at most {MAX_BIASED_TOKENS} token ids "
-                                 f"to numbers in [-100, 100]")
-
-
-def token_ids(body: dict[str, Any], key: str, limit: int) -> list[int]:
-    value = body.get(key)
-    if value is None:
-        return []
-    if not isinstance(value, list) or len(value) > limit or not all(
-            type(t) is int and 0 <= t < 1 << 31 for t in value):
-        raise BadField(key, f"'{key}' must be a list of at most {limit} token ids")
-    return list(value)
-
-
-def max_tokens(body: dict[str, Any], key: str, default: int) -> int:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) \
-            or not 1 <= value <= MAX_TOKENS_LIMIT:
-        raise BadField(key, f"'{key}' must be an integer in [1, {MAX_TOKENS_LIMIT}]")
-    return value
-
-
-def number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise BadField(key, f"'{key}' must be a number in [{low:g}, {high:g}]")
-    return float(value)
-
-
-def seed(body: dict[str, Any]) -> int | None:
-    value = body.get("seed")
+def seed(value: int | None) -> int | None:
+    """OpenAI's signed 64-bit seed, folded into the engines' range."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) \
-            or not -SEED_RANGE <= value < SEED_RANGE:
-        raise BadField("seed", "'seed' must be a 64-bit integer or null")
+    if not -SEED_RANGE <= value < SEED_RANGE:
+        raise BadField("seed", "'seed': expected a 64-bit integer or null")
     return value % SEED_RANGE
 
 
-def stop(body: dict[str, Any]) -> list[str]:
-    value = body.get("stop")
-    found = [] if value is None else [value] if isinstance(value, str) else value
-    if not isinstance(found, list) or len(found) > MAX_STOP or not all(
-            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS and is_unicode(s)
-            for s in found):
-        raise BadField("stop", f"'stop' must be a string or a list of at most {MAX_STOP} "
-                               f"non-empty strings")
+def stop(value: str | list[str] | None) -> list[str]:
+    found = [] if value is None else [value] if isinstance(value, str) else list(value)
+    for i, one in enumerate(found):
+        if not is_unicode(one):
+            raise BadField("stop", f"'stop[{i}]' must be valid Unicode")
     return found
-
-
-def stream(body: dict[str, Any]) -> bool:
-    value = body.get("stream", False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise BadField("stream", "'stream' must be true or false")
-    return value
 
 
 def is_unicode(value: str) -> bool:

@@ -21,11 +21,11 @@ from typing import Any
 import msgspec
 
 from engined.engine import protocol as proto
-from engined.supervisor import __version__
+from engined.supervisor import __version__, bodies
 from engined.supervisor import request_fields as fields
 
 MAX_TOKENS_DEFAULT_COMPLETION = 16  # OpenAI's
-MAX_CHOICES = 128  # prompts of a batch x n
+MAX_CHOICES = bodies.MAX_CHOICES
 MAX_TOKENS_DEFAULT_CHAT = 1024
 TEMPERATURE_DEFAULT = 1.0  # OpenAI's
 
@@ -111,25 +111,14 @@ class Batch:
 
 # --- requests ---------------------------------------------------------------------------------
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-           "stop", "seed", "user", "logprobs", *fields.SAMPLING_FIELDS}
 STRUCTURED_FIELDS = ("response_format", "structured_outputs")
-COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix", "logit_bias",
-                               "prompt_logprobs", *STRUCTURED_FIELDS}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                         "tool_choice", "functions", "function_call", "response_format",
-                         "parallel_tool_calls", "logit_bias", "stream_options",
-                         "structured_outputs"}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
-# what only a vLLM engine's own frontend reads (vLLM's chat request fields)
-VLLM_CHAT_FIELDS = {"chat_template_kwargs", "include_reasoning", "add_generation_prompt",
-                    "continue_final_message", "skip_special_tokens", "reasoning_effort"}
 
 
 def parse_completion(body: dict[str, Any], backend: str = "") -> Batch:
     """A completion request; ApiError 400 naming the field."""
     try:
-        return _completion(body)
+        return _completion(bodies.read(body, bodies.CompletionBody))
     except fields.BadField as exc:
         raise bad(exc.param, exc.message) from None
 
@@ -138,76 +127,77 @@ def parse_chat(body: dict[str, Any], backend: str = "") -> Batch:
     """A chat completion request; ApiError 400 naming the field. For a vLLM engine (`backend`)
     the engine reads the chat itself with vLLM's frontend (tools, tool messages, reasoning):
     only what the gateway needs is checked here."""
+    frontend = backend == "vllm"
     try:
-        return _chat(body, backend == "vllm")
+        chat = bodies.read(body, bodies.VllmChatBody if frontend else bodies.ChatBody)
+        return _chat(chat, body if frontend else None)
     except fields.BadField as exc:
         raise bad(exc.param, exc.message) from None
 
 
-def _completion(body: dict[str, Any]) -> Batch:
-    known(body, COMPLETION_FIELDS)
-    model = _model(body)
+def _completion(body: bodies.CompletionBody) -> Batch:
+    model = _model(body.model)
     n = _n(body)
     for field_, ok in (("best_of", (None, 1, n)), ("suffix", (None, ""))):
-        if body.get(field_) not in ok:
+        if getattr(body, field_) not in ok:
             raise bad(field_, f"'{field_}' is not supported")
-    prompts = fields.prompts(body.get("prompt"), MAX_CHOICES)
-    echo = fields.flag(body, "echo")
-    echo_only = echo and body.get("max_tokens") == 0  # the prompt alone (lm-eval's scoring)
-    if echo_only:
-        body = {**body, "max_tokens": 1}
-    logprobs = _top(body, "logprobs")
-    prompt_logprobs = _top(body, "prompt_logprobs")
-    if prompt_logprobs and fields.stream(body):  # vLLM's rule: a stream has no place for them
+    prompts = fields.prompts(body.prompt, MAX_CHOICES)
+    echo = bool(body.echo)
+    echo_only = echo and body.max_tokens == 0  # the prompt alone (lm-eval's scoring)
+    if body.max_tokens == 0 and not echo:
+        raise bad("max_tokens", "'max_tokens': expected `int` >= 1 (0 with 'echo' only)")
+    logprobs, prompt_logprobs = body.logprobs, body.prompt_logprobs
+    if prompt_logprobs and body.stream:  # vLLM's rule: a stream has no place for them
         raise bad("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true")
     if echo and logprobs is not None:  # the echoed prompt comes with its logprobs
         prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     sampling = msgspec.structs.replace(
-        fields.sampling(body, "max_tokens", MAX_TOKENS_DEFAULT_COMPLETION, TEMPERATURE_DEFAULT),
+        fields.sampling(body, 1 if echo_only else body.max_tokens,
+                        MAX_TOKENS_DEFAULT_COMPLETION, TEMPERATURE_DEFAULT),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, **_structured(body))
-    jobs = [Job("completion", model, text, ids, None, seeded(sampling, j), fields.stream(body),
+    jobs = [Job("completion", model, text, ids, None, seeded(sampling, j), bool(body.stream),
                 _include_usage(body), logprobs, echo, echo_only)
             for text, ids in prompts for j in range(n)]
     return _batch(jobs, n)
 
 
-def _chat(body: dict[str, Any], frontend: bool) -> Batch:
-    known(body, CHAT_FIELDS | (VLLM_CHAT_FIELDS if frontend else set()))
-    model = _model(body)
-    if frontend:
+def _chat(body: bodies.ChatBody, frontend: dict[str, Any] | None) -> Batch:
+    """`frontend`: the client's body, for an engine that reads the chat with vLLM's frontend."""
+    model = _model(body.model)
+    if frontend is not None:
         messages: list[proto.ChatMessage] = []
-        value = body.get("messages")
-        if not isinstance(value, list) or not value or len(value) > fields.MAX_MESSAGES \
-                or not all(isinstance(m, dict) for m in value):
-            raise bad("messages", f"'messages' must be a non-empty list of objects (at most "
-                                  f"{fields.MAX_MESSAGES})")
-        if "functions" in body or "function_call" in body:
+        if body.messages is None:
+            raise bad("messages", "'messages' is required: a non-empty list of objects")
+        if body.functions is not None or body.function_call is not None:
             raise bad("functions", "'functions' is OpenAI's deprecated form: send 'tools'")
     else:
         for field_ in ("tools", "functions", "tool_choice", "function_call"):
-            if body.get(field_) not in (None, [], "none"):
+            if getattr(body, field_) not in (None, [], "none"):
                 raise bad(field_, f"'{field_}' needs an engine with backend: vllm (and its "
                                   f"frontend_args tool_call_parser)")
-        messages = fields.messages(body.get("messages"))
-    limit_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        messages = fields.messages(body.messages)
+    budget: int | None = body.max_completion_tokens
+    key = "max_completion_tokens"
+    if budget is None:
+        budget, key = body.max_tokens, "max_tokens"
     n = _n(body)
     logprobs = _chat_logprobs(body)
     sampling = msgspec.structs.replace(
-        fields.sampling(body, limit_key, MAX_TOKENS_DEFAULT_CHAT, TEMPERATURE_DEFAULT),
+        fields.sampling(body, budget, MAX_TOKENS_DEFAULT_CHAT, TEMPERATURE_DEFAULT, key),
         logprobs=logprobs, **_structured(body))
-    jobs = [Job("chat", model, "", None, messages, seeded(sampling, j), fields.stream(body),
-                _include_usage(body), logprobs, chat=body if frontend else None)
+    jobs = [Job("chat", model, "", None, messages, seeded(sampling, j), bool(body.stream),
+                _include_usage(body), logprobs, chat=frontend)
             for j in range(n)]
     return _batch(jobs, n)
 
 
-def _structured(body: dict[str, Any]) -> dict[str, Any]:
+def _structured(body: bodies.CompletionBody | bodies.ChatBody) -> dict[str, Any]:
     """response_format and vLLM's structured_outputs, checked for shape only: the vLLM backend
     reads them with vLLM's own code (a schema it cannot compile is its 400)."""
     out: dict[str, Any] = {}
-    fmt = body.get("response_format")
+    fmt = body.response_format
     if fmt is not None:
-        if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS:
+        if fmt.get("type") not in RESPONSE_FORMATS:
             raise bad("response_format", f"'response_format' must be an object whose type is "
                                          f"one of {', '.join(RESPONSE_FORMATS)}")
         if fmt["type"] == "json_schema" and not isinstance(fmt.get("json_schema"), dict):
@@ -215,13 +205,8 @@ def _structured(body: dict[str, Any]) -> dict[str, Any]:
                                          "'json_schema': {name, schema}")
         if fmt != {"type": "text"}:
             out["response_format"] = fmt
-    wanted = body.get("structured_outputs")
-    if wanted is not None:
-        if not isinstance(wanted, dict) or not wanted:
-            raise bad("structured_outputs", "'structured_outputs' must be an object, e.g. "
-                                            "{\"json\": SCHEMA}, {\"regex\": ...}, "
-                                            "{\"choice\": [...]} or {\"grammar\": ...}")
-        out["structured_outputs"] = wanted
+    if body.structured_outputs is not None:
+        out["structured_outputs"] = body.structured_outputs
     return out
 
 
@@ -236,26 +221,17 @@ def check_backend(batch: Batch, backend: str) -> None:
                             f"vllm; this model's engines are {backend}")
 
 
-def _top(body: dict[str, Any], key: str) -> int | None:
-    """A count of top logprobs (completions' `logprobs`, vLLM's `prompt_logprobs`), or None."""
-    if body.get(key) is None:
-        return None
-    return fields.integer(body, key, 0, 0, proto.MAX_LOGPROBS)
-
-
-def _chat_logprobs(body: dict[str, Any]) -> int | None:
+def _chat_logprobs(body: bodies.ChatBody) -> int | None:
     """Chat's `logprobs: true` with `top_logprobs` N (0 by default), as the top count."""
-    wanted = fields.flag(body, "logprobs")
-    top = _top(body, "top_logprobs")
-    if top is not None and top > 0 and not wanted:
+    top = body.top_logprobs
+    if top is not None and top > 0 and not body.logprobs:
         raise bad("top_logprobs", "when using 'top_logprobs', 'logprobs' must be set to true")
-    return (top or 0) if wanted else None
+    return (top or 0) if body.logprobs else None
 
 
-def _n(body: dict[str, Any]) -> int:
-    n = fields.integer(body, "n", 1, 1, MAX_CHOICES)
-    temperature = body.get("temperature")
-    if n > 1 and isinstance(temperature, (int, float)) and temperature == 0:
+def _n(body: bodies.CompletionBody | bodies.ChatBody) -> int:
+    n = body.n or 1
+    if n > 1 and body.temperature == 0:
         raise bad("n", f"n must be 1 when using greedy sampling, got {n}")  # vLLM's rule
     return n
 
@@ -275,28 +251,15 @@ def seeded(sampling: proto.Sampling, j: int) -> proto.Sampling:
     return msgspec.structs.replace(sampling, seed=(sampling.seed + j) % fields.SEED_RANGE)
 
 
-def known(body: dict[str, Any], fields: set[str]) -> None:
-    """A 400 naming the first field of `body` not in `fields` (the gateway's every body)."""
-    unknown = sorted(set(body) - fields)
-    if unknown:
-        raise bad(unknown[0], f"unrecognized request argument supplied: {unknown[0]}")
-
-
-def _model(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
+def _model(model: str | None) -> str:
+    if not model:
         raise bad("model", "'model' is required: one of GET /v1/models")
     return model
 
 
-def _include_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if not isinstance(options, dict) or set(options) - {"include_usage",
-                                                        "continuous_usage_stats"}:
-        raise bad("stream_options", "'stream_options' may hold include_usage only")
-    return bool(options.get("include_usage"))
+def _include_usage(body: bodies.CompletionBody | bodies.ChatBody) -> bool:
+    options = body.stream_options
+    return bool(options is not None and options.include_usage)
 
 
 # --- answers ----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from engined.engine import protocol as proto
+from engined.supervisor import bodies
 from engined.supervisor import request_fields as fields
 from engined.supervisor.gateway.openai import (
     MAX_TOKENS_DEFAULT_CHAT,
@@ -23,49 +24,38 @@ from engined.supervisor.gateway.openai import (
     ApiError,
     Job,
     bad,
-    known,
     outcome,
 )
 from engined.supervisor.gateway.relay import Done, Piece
 
-FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
-          "stream", "store", "metadata", "user", "tools", "tool_choice", "parallel_tool_calls",
-          "text", "reasoning", "previous_response_id", "background", "truncation",
-          "service_tier", "top_logprobs", "include", "prompt_cache_key", "safety_identifier",
-          "seed", "stop", *fields.SAMPLING_FIELDS}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def parse(body: dict[str, Any]) -> Job:
     """A Responses request as a chat job; ApiError 400 naming the field."""
-    known(body, FIELDS)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "'model' is required: one of GET /v1/models")
-    for key, allowed in (("previous_response_id", (None,)), ("background", (None, False)),
-                         ("tools", (None, [])), ("tool_choice", (None, "none", "auto")),
-                         ("top_logprobs", (None, 0)), ("include", (None, []))):
-        if body.get(key) not in allowed:
-            raise bad(key, f"'{key}' is not supported by engined's own engines (nothing is "
-                           f"stored; text in, text out)")
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if body.get("text") is not None and (not isinstance(body["text"], dict)
-                                         or fmt not in (None, {"type": "text"})):
-        raise bad("text", "only text output is supported ('text': {\"format\": {\"type\": "
-                          "\"text\"}})")
     try:
-        messages = _messages(body.get("input"), body.get("instructions"))
-        sampling = fields.sampling(body, "max_output_tokens", MAX_TOKENS_DEFAULT_CHAT,
-                                   TEMPERATURE_DEFAULT)
-        stream = fields.stream(body)
+        ask = bodies.read(body, bodies.ResponsesBody)
+        if not ask.model:
+            raise bad("model", "'model' is required: one of GET /v1/models")
+        for key, allowed in (("previous_response_id", (None,)), ("background", (None, False)),
+                             ("tools", (None, [])), ("tool_choice", (None, "none", "auto")),
+                             ("top_logprobs", (None, 0)), ("include", (None, []))):
+            if getattr(ask, key) not in allowed:
+                raise bad(key, f"'{key}' is not supported by engined's own engines (nothing "
+                               f"is stored; text in, text out)")
+        if ask.text is not None and ask.text.get("format") not in (None, {"type": "text"}):
+            raise bad("text", "only text output is supported ('text': {\"format\": {\"type\": "
+                              "\"text\"}})")
+        messages = _messages(ask.input, ask.instructions)
+        sampling = fields.sampling(ask, ask.max_output_tokens, MAX_TOKENS_DEFAULT_CHAT,
+                                   TEMPERATURE_DEFAULT, "max_output_tokens")
     except fields.BadField as exc:
         raise bad(exc.param, exc.message) from None
-    return Job("chat", model, "", None, messages, sampling, stream, include_usage=False)
+    return Job("chat", ask.model, "", None, messages, sampling, bool(ask.stream),
+               include_usage=False)
 
 
 def _messages(value: Any, instructions: Any) -> list[proto.ChatMessage]:
-    if instructions is not None and not isinstance(instructions, str):
-        raise fields.BadField("instructions", "'instructions' must be a string")
     items: list[dict[str, Any]] = []
     if instructions:
         items.append({"role": "system", "content": instructions})

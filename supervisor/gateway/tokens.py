@@ -10,52 +10,46 @@ from collections.abc import Callable
 from typing import Any
 
 from engined.engine import protocol as proto
+from engined.supervisor import bodies
 from engined.supervisor import request_fields as fields
-from engined.supervisor.gateway.openai import ApiError, bad, known
+from engined.supervisor.gateway.openai import ApiError, bad
 from engined.supervisor.gateway.relay import acquire, moved
-from engined.supervisor.incarnation import Incarnation
 from engined.supervisor.ipc import (
     EngineChannels,
     RequestFailed,
     RequestTooLarge,
     new_request_id,
 )
-from engined.supervisor.routing import Router
-
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
-                   "add_generation_prompt"}
-DETOKENIZE_FIELDS = {"model", "tokens"}
+from engined.supervisor.routing import LostOn, Router
 
 
 def tokenize_request(body: dict[str, Any]) -> proto.GenerateRequest:
     """vLLM's TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest (`messages`)."""
-    known(body, TOKENIZE_FIELDS)
     try:
-        strs = fields.flag(body, "return_token_strs")
-        if "messages" in body:
-            if body.get("add_generation_prompt") not in (None, True):
+        ask = bodies.read(body, bodies.TokenizeBody)
+        if ask.messages is not None:
+            if ask.add_generation_prompt not in (None, True):
                 raise bad("add_generation_prompt", "only add_generation_prompt true is "
                                                    "supported (the engine's chat template "
                                                    "ends with the assistant's turn)")
-            return proto.GenerateRequest("", messages=fields.messages(body["messages"]),
-                                         task=proto.TASK_TOKENIZE, token_strs=strs)
-        value = body.get("prompt")
-        if not isinstance(value, str):
+            return proto.GenerateRequest("", messages=fields.messages(ask.messages),
+                                         task=proto.TASK_TOKENIZE,
+                                         token_strs=ask.return_token_strs)
+        if ask.prompt is None:
             raise bad("prompt", "'prompt' must be a string (or send 'messages')")
-        fields.text(value, "prompt")
-        special = fields.flag(body, "add_special_tokens", True)
+        fields.text(ask.prompt, "prompt")
     except fields.BadField as exc:
         raise bad(exc.param, exc.message) from None
-    return proto.GenerateRequest("", prompt=value, task=proto.TASK_TOKENIZE, token_strs=strs,
-                                 add_special_tokens=special)
+    return proto.GenerateRequest("", prompt=ask.prompt, task=proto.TASK_TOKENIZE,
+                                 token_strs=ask.return_token_strs,
+                                 add_special_tokens=ask.add_special_tokens)
 
 
 def detokenize_request(body: dict[str, Any]) -> proto.GenerateRequest:
-    known(body, DETOKENIZE_FIELDS)
-    ids = body.get("tokens")
-    if not isinstance(ids, list) or len(ids) > fields.MAX_PROMPT_CHARS or not all(
-            type(t) is int and 0 <= t < 1 << 31 for t in ids):
-        raise bad("tokens", "'tokens' must be a list of token ids")
+    try:
+        ids = bodies.read(body, bodies.DetokenizeBody).tokens
+    except fields.BadField as exc:
+        raise bad(exc.param, exc.message) from None
     return proto.GenerateRequest("", prompt_ids=list(ids), task=proto.TASK_DETOKENIZE)
 
 
@@ -71,7 +65,7 @@ async def ask(router: Router, channels: EngineChannels, clock: Callable[[], floa
               limit: int) -> proto.GenerateResult:
     """One answer from a replica of `group`; a replica lost on the way is replaced by another
     (at most `limit` times); the engine's rejection is a 400 in its words."""
-    lost_on: set[Incarnation] = set()
+    lost_on = LostOn(clock)
     moves = 0
     while True:
         lease = await acquire(router, group, deadline, lost_on)

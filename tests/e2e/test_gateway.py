@@ -324,7 +324,8 @@ def test_tokenize_and_detokenize_with_the_engines_own_tokenizer(gateway):
     assert _post(d.port, "/detokenize", {"model": "echo", "tokens": [104, 105]}) == (
         200, {"prompt": "hi"})
     for path, body, param in [("/tokenize", {"model": "echo", "prompt": 3}, "prompt"),
-                              ("/detokenize", {"model": "echo", "tokens": ["x"]}, "tokens"),
+                              ("/detokenize", {"model": "echo", "tokens": [1, "x"]},
+                               "tokens[1]"),
                               ("/tokenize", {"model": "echo", "prompt": "x", "nope": 1}, "nope")]:
         code, answer = _post(d.port, path, body)
         assert (code, answer["error"]["param"]) == (400, param), (path, answer)

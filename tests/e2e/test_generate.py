@@ -75,7 +75,8 @@ def test_bad_requests_are_400_naming_the_field(engined):
     d = engined([SLOW_ECHO])
     for body, fragment in [
         ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "not both"),
-        ({"messages": []}, "'messages' must be a non-empty list"),
+        ({"messages": []}, "'messages': expected `array` of length >= 1"),
+        ({"prompt": "x", "stop": ["a", 7]}, "'stop[1]': expected `str`, got `int`"),
         ({"messages": [{"role": "robot", "content": "y"}]}, "messages[0]"),
         ({"prompt": "x", "stop": ["a"] * 17}, "'stop'"),
         ({"prompt": "x", "seed": 2**64}, "'seed'"),

@@ -271,7 +271,7 @@ def test_oversized_bodies_are_refused_with_413(engined):
     assert first_status(d.socket, huge) == 413
     assert time.monotonic() - began < CLIENT_TIMEOUT_S / 2
     # Right at the cap is accepted as a body (and then judged on its content).
-    at_cap = json.dumps({"prompt": "y" * 100, "pad": "z" * (MAX_BODY_BYTES - 200)}).encode()
+    at_cap = json.dumps({"prompt": "y" * (MAX_BODY_BYTES - 100), "max_tokens": 4}).encode()
     assert len(at_cap) <= MAX_BODY_BYTES
     assert exchange(d.socket, request("POST", "/v1/generate", at_cap)) == 200
     _assert_fleet_unaffected(d, before)

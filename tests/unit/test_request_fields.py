@@ -1,5 +1,6 @@
 """One reading of a generation request's fields for both front doors (the control socket's
-POST /v1/generate and the gateway's OpenAI routes): the same limits and messages, as a table."""
+POST /v1/generate and the gateway's OpenAI routes): bodies declared once (supervisor.bodies),
+the same limits and messages, each naming the field's path, as a table."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from engined.supervisor import bodies
 from engined.supervisor import request_fields as fields
 from engined.supervisor.control import generate_request
-from engined.supervisor.gateway.openai import ApiError, parse_completion
+from engined.supervisor.gateway.openai import ApiError, parse_chat, parse_completion
 
 BIG = fields.MAX_PROMPT_CHARS + 1
 
@@ -17,28 +19,37 @@ BIG = fields.MAX_PROMPT_CHARS + 1
 @pytest.mark.parametrize("body, param, fragment", [
     ({}, "prompt", "'prompt' must be a non-empty string or a list of token ids"),
     ({"prompt": ""}, "prompt", "'prompt' must be a non-empty string"),
-    ({"prompt": "x" * BIG}, "prompt", f"at most {fields.MAX_PROMPT_CHARS} characters"),
+    ({"prompt": "x" * BIG}, "prompt", f"'prompt': expected `str` of length <= {BIG - 1}"),
     ({"prompt": "\ud800"}, "prompt", "valid Unicode"),
     ({"prompt": [1, -1]}, "prompt", "non-negative integers"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "'max_tokens' must be an integer"),
-    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "'max_tokens' must be an integer"),
-    ({"prompt": "x", "temperature": 3}, "temperature", "'temperature' must be a number in"),
-    ({"prompt": "x", "top_p": 0}, "top_p", "'top_p' must be a number in"),
-    ({"prompt": "x", "seed": 2**63}, "seed", "'seed' must be a 64-bit integer"),
-    ({"prompt": "x", "seed": True}, "seed", "'seed' must be a 64-bit integer"),
-    ({"prompt": "x", "stop": ["a"] * 17}, "stop", "at most 16 non-empty strings"),
-    ({"prompt": "x", "stop": [""]}, "stop", "at most 16 non-empty strings"),
-    ({"prompt": "x", "stream": "yes"}, "stream", "'stream' must be true or false"),
-    ({"prompt": "x", "top_k": -2}, "top_k", "'top_k' must be an integer in [-1,"),
-    ({"prompt": "x", "min_p": 1.5}, "min_p", "'min_p' must be a number in [0, 1]"),
-    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "must be a number in"),
-    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty", "must be a number in [-2, 2]"),
-    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "'logit_bias' must map"),
-    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "numbers in [-100, 100]"),
+    ({"prompt": [1.5]}, "prompt[0]", "'prompt[0]': expected `int | str | array`, got `float`"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "'max_tokens': expected `int` >= 1"),
+    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens",
+     "'max_tokens': expected `int`, got `float`"),
+    ({"prompt": "x", "temperature": 3}, "temperature", "'temperature': expected `float` <= 2.0"),
+    ({"prompt": "x", "top_p": 0}, "top_p", "'top_p': expected `float` > 0.0"),
+    ({"prompt": "x", "seed": 2**63}, "seed", "'seed': expected a 64-bit integer"),
+    ({"prompt": "x", "seed": True}, "seed", "'seed': expected `int`, got `bool`"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop", "'stop': expected `array` of length <= 16"),
+    ({"prompt": "x", "stop": ["a", ""]}, "stop[1]", "'stop[1]': expected `str` of length >= 1"),
+    ({"prompt": "x", "stop": ["a", 3]}, "stop[1]", "'stop[1]': expected `str`, got `int`"),
+    ({"prompt": "x", "stream": "yes"}, "stream", "'stream': expected `bool`, got `str`"),
+    ({"prompt": "x", "top_k": -2}, "top_k", "'top_k': expected `int` >= -1"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p", "'min_p': expected `float` <= 1.0"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "expected `float` > 0.0"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty", "expected `float` <= 2.0"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias",
+     "'logit_bias': a key: expected `str` matching regex"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias",
+     "'logit_bias': expected `float` <= 100.0"),
     ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
      "'min_tokens' (5) must not exceed 'max_tokens' (4)"),
-    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos", "'ignore_eos' must be true or false"),
-    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids", "list of at most 64 token ids"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos", "'ignore_eos': expected `bool`"),
+    ({"prompt": "x", "stop_token_ids": [2, -1]}, "stop_token_ids[1]",
+     "'stop_token_ids[1]': expected `int` >= 0"),
+    ({"prompt": "x", "stop_token_ids": [1] * 65}, "stop_token_ids",
+     "'stop_token_ids': expected `array` of length <= 64"),
+    ({"prompt": "x", "nucleus": 0.5}, "nucleus", "unrecognized request argument supplied: nucleus"),
 ])
 def test_both_doors_refuse_the_same_fields_with_the_same_words(body: dict[str, Any], param: str,
                                                                fragment: str) -> None:
@@ -49,7 +60,8 @@ def test_both_doors_refuse_the_same_fields_with_the_same_words(body: dict[str, A
     with pytest.raises(Exception) as control:  # aiohttp's HTTPBadRequest
         generate_request(body)
     assert getattr(control.value, "status", None) == 400
-    assert control.value.reason == gateway.value.message
+    # the same words (completions may add a hint of their own: max_tokens 0 with echo)
+    assert gateway.value.message.startswith(control.value.reason), control.value.reason
 
 
 def test_messages_are_read_alike_and_only_the_defaults_differ() -> None:
@@ -96,3 +108,39 @@ def test_the_gateway_makes_one_job_per_choice_and_the_control_socket_one_request
         parse_completion({"model": "m", "prompt": ["x"] * 65, "n": 2})
     with pytest.raises(Exception, match="a batch of prompts is not supported"):
         generate_request({"prompt": ["a", "b"]})  # the control socket: one engine request
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"messages": []}, "messages", "'messages': expected `array` of length >= 1"),
+    ({"messages": [{"role": "user", "content": "hi"}, 3]}, "messages[1]",
+     "'messages[1]': expected `object`, got `int`"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+     "messages[0].content must be text"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"usage": True}},
+     "stream_options.usage", "unrecognized request argument supplied: stream_options.usage"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21}, "top_logprobs",
+     "'top_logprobs': expected `int` <= 20"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n", "'n': expected `int` >= 1"),
+])
+def test_a_chats_bad_field_is_named_by_its_path(body: dict[str, Any], param: str,
+                                                fragment: str) -> None:
+    with pytest.raises(ApiError) as raised:
+        parse_chat({"model": "m", **body})
+    assert (raised.value.status, raised.value.param) == (400, param)
+    assert fragment in raised.value.message, raised.value.message
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"wait": "yes"}, "'wait': expected `bool`, got `str`"),
+    ({"timeout_s": -1}, "'timeout_s': expected `float` >= 0.0"),
+    ({"timeout_s": True}, "'timeout_s': expected `float`, got `bool`"),
+    ({"all_at_once": 1}, "'all_at_once': expected `bool`, got `int`"),
+    ({"wiat": False}, "unrecognized request argument supplied: wiat"),
+])
+def test_the_control_sockets_action_bodies_are_declared_too(body: dict[str, Any],
+                                                             fragment: str) -> None:
+    with pytest.raises(bodies.BadField) as raised:
+        bodies.read(body, bodies.ActionBody)
+    assert raised.value.message == fragment
+    assert bodies.read({}, bodies.ActionBody) == bodies.ActionBody(
+        wait=True, timeout_s=bodies.DEFAULT_WAIT_S, all_at_once=False)
