@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
 from engined.supervisor.incarnation import Incarnation
@@ -59,6 +59,27 @@ class Lease:
 
     replica: Replica
     incarnation: Incarnation
+
+
+class LostOn:
+    """The incarnations one request was lost on, and when. The request is not sent back to one
+    while liveness may still be deciding about it (its heartbeat_timeout after the loss: an
+    engine that cannot be reached stays READY until its exit is handled or it is declared hung,
+    and would be the least loaded). One still routable after that was judged alive (the loss was
+    its connection's: a connect timeout on a loaded host, say): the request may go back to it,
+    within its migration_limit, rather than wait for another until its request_timeout."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._at: dict[Incarnation, float] = {}
+
+    def add(self, incarnation: Incarnation) -> None:
+        self._at[incarnation] = self.clock()
+
+    def __contains__(self, incarnation: object) -> bool:
+        if not isinstance(incarnation, Incarnation) or incarnation not in self._at:
+            return False
+        return self.clock() - self._at[incarnation] < incarnation.liveness.heartbeat_timeout_s
 
 
 class Router:
@@ -117,10 +138,10 @@ class Router:
         return inc if inc is not None and inc.fresh(self.clock()) else None
 
     def pick(self, replicas: Iterable[Replica], named: bool = False,
-             avoid: Collection[Incarnation] = ()) -> Lease | None:
+             avoid: Container[Incarnation] = ()) -> Lease | None:
         """The least loaded routable replica of `replicas` (round-robin among equals), leased.
-        `avoid`: incarnations this request was lost on (one that cannot be reached stays READY
-        until its exit is handled, and would be the least loaded)."""
+        `avoid`: incarnations this request was lost on, while liveness may still be deciding
+        about them (LostOn)."""
         candidates = [(r, inc) for r in replicas
                       if (inc := self.routable(r, named)) is not None and inc not in avoid]
         if not candidates:
@@ -160,7 +181,7 @@ class Router:
                 and (inc := r.serving()) is not None]
 
     async def acquire(self, group: str, deadline: float,
-                      avoid: Collection[Incarnation] = ()) -> Lease:
+                      avoid: Container[Incarnation] = ()) -> Lease:
         """A routable replica of `group`, not on an incarnation of `avoid`, waiting for one if
         need be (its replacement, when every replica is down); NoReplica past the deadline."""
         return await self._wait_for(
@@ -169,7 +190,7 @@ class Router:
 
     async def _wait_for(self, pool: Callable[[], list[Replica]], deadline: float, named: bool,
                         none_ready: str | None, too_late: str,
-                        avoid: Collection[Incarnation] = ()) -> Lease:
+                        avoid: Container[Incarnation] = ()) -> Lease:
         """Lease a routable replica of `pool()`, looking again at every state change (and every
         RECHECK_S: heartbeats refresh without one) until `deadline`. `none_ready`: give up at
         once, with those words, when no replica of the pool is READY at all."""

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +33,8 @@ from aiohttp import web
 from engined.supervisor.gateway.openai import ApiError
 from engined.supervisor.gateway.relay import acquire, moved
 from engined.supervisor.gateway.upstream import Upstream
-from engined.supervisor.incarnation import Incarnation
 from engined.supervisor.ipc import EngineLost
-from engined.supervisor.routing import Lease, Router
+from engined.supervisor.routing import Lease, LostOn, Router
 
 log = logging.getLogger("engined.gateway")
 
@@ -106,7 +105,7 @@ class Proxy:
     async def _whole(self, request: web.Request, path: str, body: dict[str, Any] | None,
                      model: str | None, group: str, deadline: float,
                      limit: int) -> tuple[str, web.StreamResponse]:
-        lost_on: set[Incarnation] = set()
+        lost_on = LostOn(self.clock)
         moves, started = 0, self.clock()
         while True:
             lease = await self.acquire(group, deadline, lost_on)
@@ -136,7 +135,7 @@ class Proxy:
         self.on_move(model)
         return moves
 
-    async def acquire(self, group: str, deadline: float, avoid: set[Incarnation]) -> Lease:
+    async def acquire(self, group: str, deadline: float, avoid: LostOn) -> Lease:
         return await acquire(self.router, group, deadline, avoid)
 
     async def _upstream_name(self, lease: Lease) -> str:
@@ -184,7 +183,7 @@ class _Stream:
             return "client_gone", self.response
 
     async def _moves(self) -> tuple[str, web.StreamResponse]:
-        lost_on: set[Incarnation] = set()
+        lost_on = LostOn(self.proxy.clock)
         moves = 0
         while True:
             lease = await self.proxy.acquire(self.group, self.deadline, lost_on)
@@ -395,7 +394,8 @@ async def _until(call: Any, lost: asyncio.Future[None], timeout_s: float) -> Any
 
 
 async def _events(response: aiohttp.ClientResponse, lost: asyncio.Future[None],
-                  deadline: float, clock: Callable[[], float]) -> AsyncIterator[list[bytes]]:
+                  deadline: float, clock: Callable[[], float]
+                  ) -> AsyncGenerator[list[bytes], None]:
     """The `data:` payloads of a server-sent event stream, a read's worth at a time, until it
     ends. The incarnation's loss (EngineLost) or the deadline (ApiError) fails the read in
     progress, or the next one: no task or timer per read, which a token's event would pay."""

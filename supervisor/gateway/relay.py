@@ -20,7 +20,6 @@ from typing import Any
 
 from engined.engine import protocol as proto
 from engined.supervisor.gateway.openai import ApiError, Job, Usage
-from engined.supervisor.incarnation import Incarnation
 from engined.supervisor.ipc import (
     EngineChannels,
     EngineLost,
@@ -29,7 +28,7 @@ from engined.supervisor.ipc import (
     RequestTooLarge,
     new_request_id,
 )
-from engined.supervisor.routing import Lease, NoReplica, Router
+from engined.supervisor.routing import Lease, LostOn, NoReplica, Router
 
 log = logging.getLogger("engined.gateway")
 
@@ -69,7 +68,7 @@ class Relay:
         """Pieces as tokens come, then Done; raises ApiError (400 for a request the engine
         rejects, 503 past the deadline or the migration limit)."""
         delivered: list[int] = []
-        lost_on: set[Incarnation] = set()  # never sent back to an incarnation it was lost on
+        lost_on = LostOn(self.clock)  # not sent back to an incarnation it was lost on
         moves = 0
         while True:
             lease = await self._acquire(group, deadline, lost_on)
@@ -129,14 +128,14 @@ class Relay:
             self.on_move(job.model)
 
     async def _acquire(self, group: str, deadline: float,
-                       avoid: set[Incarnation]) -> Lease:
+                       avoid: LostOn) -> Lease:
         return await acquire(self.router, group, deadline, avoid)
 
 
 async def acquire(router: Router, group: str, deadline: float,
-                  avoid: set[Incarnation]) -> Lease:
-    """A lease on a routable replica of `group` (never one of `avoid`: incarnations the request
-    was lost on); ApiError 503 past the deadline."""
+                  avoid: LostOn) -> Lease:
+    """A lease on a routable replica of `group` (not one of `avoid` while liveness may still be
+    deciding about it: routing.LostOn); ApiError 503 past the deadline."""
     try:
         return await router.acquire(group, deadline, avoid)
     except NoReplica as exc:

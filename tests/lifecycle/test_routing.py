@@ -16,7 +16,7 @@ from engined.supervisor.gateway.relay import Done, Piece, Relay
 from engined.supervisor.ipc import EngineLost, RequestFailed
 from engined.supervisor.routing import NoReplica
 from engined.supervisor.state import EngineState as S
-from lifecycle.fakes import HEARTBEAT_INTERVAL_S, World, scenario
+from lifecycle.fakes import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, World, scenario
 
 
 def test_least_loaded_first_and_round_robin_among_equals(tmp_path):
@@ -126,6 +126,29 @@ def test_a_request_that_never_ends_holds_a_rollout_at_most_stop_timeout(tmp_path
         await w.settle(0.2)
         assert first.signalled_at[signal.SIGTERM] - began == pytest.approx(30.0, abs=1e-6)
     scenario(tmp_path, [COMMAND_GROUP], body)
+
+
+def test_a_lone_replica_judged_alive_after_a_loss_gets_the_request_again(tmp_path):
+    """A request lost on a-0 that liveness then judges alive (it heartbeats on, READY, for a
+    whole heartbeat_timeout after the loss: the loss was its connection's) goes back to a-0,
+    instead of waiting for another replica until its request_timeout."""
+    async def body(w: World) -> None:
+        await w.start("a-0")
+        channels = _Channels(dead="a-0")
+        relay = Relay(w.router, channels, w.clock.monotonic)  # type: ignore[arg-type]
+        job = parse_completion({"model": "a", "prompt": "hi", "max_tokens": 2}).first
+        run_ = asyncio.ensure_future(_collect(relay.run(job, "a", "rid",
+                                                        w.clock.monotonic() + 600, 3)))
+        await w.settle(1.0)
+        assert channels.sent == ["a-0"] and not run_.done()  # one try, then it waits
+        channels.dead = ""  # the trouble passes; a-0 never stopped heartbeating
+        await w.settle(HEARTBEAT_TIMEOUT_S - 1.5)
+        assert channels.sent == ["a-0"] and not run_.done()  # liveness may still be deciding
+        await w.settle(1.0)
+        out = await run_
+        assert channels.sent == ["a-0", "a-0"] and out[-1].moves == 1
+        assert w.spawns("a-0") == 1 and w.state("a-0") is S.READY  # nothing was restarted
+    scenario(tmp_path, [{"name": "a", "replicas": 1}], body)
 
 
 class _Unreachable(RequestFailed):
