@@ -18,6 +18,7 @@ from typing import Callable
 import pytest
 from benchreport import run_quick_vllm_bench, section, sections, tables
 from driver import vllm_python_or_skip
+from servingcheck import check_serving
 
 pytestmark = [pytest.mark.bench, pytest.mark.vllm, pytest.mark.timeout(1200)]
 TIMEOUT_S = 1100  # a bound, not a timing assertion: the quick run takes ~10 min idle
@@ -68,7 +69,9 @@ def check_floor_column(rows: list[list[str]], engined: Callable[[list[str]], boo
 
 
 def test_vllm_quick_produces_every_table(tmp_path: Path, vllm_python: str) -> None:
-    check_report(run_quick_vllm_bench(tmp_path / "vllm.md", vllm_python, TIMEOUT_S))
+    text = run_quick_vllm_bench(tmp_path / "vllm.md", vllm_python, TIMEOUT_S)
+    check_report(text)
+    check_serving(text)  # section 5, vLLM's serving benchmark (tests/servingcheck.py)
 
 
 def check_report(text: str) -> None:
