@@ -82,6 +82,7 @@ class _OpenAI(Sampled, kw_only=True):
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: Annotated[dict[str, Any], Meta(min_length=1)] | None = None
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids
 
 
 class CompletionBody(_OpenAI, kw_only=True):

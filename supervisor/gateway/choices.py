@@ -62,7 +62,8 @@ class Choices:
         first: list[bool] = []
 
         async def collect(run: AsyncGenerator[Item, None]) -> tuple[Echoed, Done]:
-            said = Echoed(positions=[] if batch.first.logprobs is not None else None)
+            said = Echoed(positions=[] if batch.first.logprobs is not None else None,
+                          token_ids=[] if batch.first.token_ids else None)
             async for item in run:
                 if isinstance(item, Done):
                     said.message = item.message
@@ -72,6 +73,8 @@ class Choices:
                     self.on_first(batch.first.model, self.clock() - started)
                 said.text += item.text
                 said.prompt = said.prompt or item.prompt
+                if said.token_ids is not None:
+                    said.token_ids.extend(item.token_ids)
                 if said.positions is not None and item.logprobs is not None:
                     said.positions.extend(item.logprobs)
             raise AssertionError("a relayed request ends with Done")
@@ -112,7 +115,8 @@ class _Stream:
             if piece.delta or logprobs or ending is not None:
                 await _sse(response, self.answer.chunk(piece.text, index=index,
                                                        logprobs=logprobs, ending=ending,
-                                                       parsed=piece.delta))
+                                                       parsed=piece.delta,
+                                                       token_ids=piece.token_ids))
             return
         if first:
             said = Echoed(piece.text, list(piece.logprobs or []), piece.prompt)
@@ -124,13 +128,14 @@ class _Stream:
         if self.job.logprobs is not None:
             shape = self.logprobs.setdefault(index, Logprobs(self.job))
             logprobs = shape.render(positions) if positions else None
-        echoed = first and self.job.echo and piece.prompt is not None
-        if text or positions or done is not None:
+        echoed = first and (self.job.echo or self.job.token_ids) and piece.prompt is not None
+        ids = [] if self.job.echo_only else piece.token_ids
+        if text or positions or ids or done is not None:
             await _sse(response, self.answer.chunk(
                 text, index=index, logprobs=logprobs,
                 ending=None if done is None else _ending(done),
                 prompt_token_ids=list(piece.prompt.token_ids) if echoed and piece.prompt
-                else None))
+                else None, token_ids=ids))
 
     async def run(self) -> tuple[str, web.StreamResponse]:
         started = self.choices.clock()
@@ -154,8 +159,9 @@ class _Stream:
                 if isinstance(item, BaseException):
                     raise item
                 if not opened and self.job.kind == "chat":
+                    prompt = item.prompt if isinstance(item, Piece) else None
                     for i in range(len(self.runs)):
-                        await _sse(response, self.answer.opener(i))
+                        await _sse(response, self.answer.opener(i, prompt))
                 if isinstance(item, Piece):
                     if not tokens_came:
                         tokens_came = True

@@ -73,6 +73,7 @@ class Job:
     echo: bool = False  # the answer begins with the prompt (completions)
     echo_only: bool = False  # max_tokens 0 with echo: the prompt alone (one token generated)
     chat: dict[str, Any] | None = None  # a chat the engine reads itself (vLLM's frontend)
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's ids and the answer's
 
     @property
     def resumable(self) -> bool:
@@ -92,7 +93,8 @@ class Job:
         return proto.GenerateRequest(request_id, prompt=self.prompt, prompt_ids=self.prompt_ids,
                                      messages=self.messages, sampling=self.sampling,
                                      stream=self.stream, resume=resume,
-                                     echo=self.echo and not resume, chat=self.chat)
+                                     echo=(self.echo or self.token_ids) and not resume,
+                                     chat=self.chat)
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,8 @@ def _completion(body: bodies.CompletionBody) -> Batch:
                         MAX_TOKENS_DEFAULT_COMPLETION, TEMPERATURE_DEFAULT),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, **_structured(body))
     jobs = [Job("completion", model, text, ids, None, seeded(sampling, j), bool(body.stream),
-                _include_usage(body), logprobs, echo, echo_only)
+                _include_usage(body), logprobs, echo, echo_only,
+                token_ids=bool(body.return_token_ids))
             for text, ids in prompts for j in range(n)]
     return _batch(jobs, n)
 
@@ -186,7 +189,8 @@ def _chat(body: bodies.ChatBody, frontend: dict[str, Any] | None) -> Batch:
         fields.sampling(body, budget, MAX_TOKENS_DEFAULT_CHAT, TEMPERATURE_DEFAULT, key),
         logprobs=logprobs, **_structured(body))
     jobs = [Job("chat", model, "", None, messages, seeded(sampling, j), bool(body.stream),
-                _include_usage(body), logprobs, chat=frontend)
+                _include_usage(body), logprobs, chat=frontend,
+                token_ids=bool(body.return_token_ids))
             for j in range(n)]
     return _batch(jobs, n)
 
@@ -310,6 +314,7 @@ class Echoed:
     positions: list[proto.Position] | None = None
     prompt: proto.PromptEcho | None = None
     message: dict[str, Any] | None = None  # a chat the engine read itself: its message
+    token_ids: list[int] | None = None  # its tokens' ids (return_token_ids)
 
 
 @dataclass(frozen=True)
@@ -401,18 +406,20 @@ class Answer:
                 message = {**_message(text), **(said.message or {})}
                 out.append({"index": index, "message": message, "logprobs": logprobs,
                             "finish_reason": ending.finish_reason,
-                            "stop_reason": ending.stop_reason, "token_ids": None,
+                            "stop_reason": ending.stop_reason, "token_ids": self._ids(said),
                             "routed_experts": None})
             else:
                 out.append({"index": index, "text": text, "logprobs": logprobs,
                             "finish_reason": ending.finish_reason,
-                            "stop_reason": ending.stop_reason, "token_ids": None,
+                            "stop_reason": ending.stop_reason, "token_ids": self._ids(said),
                             "prompt_logprobs": prompt_logprobs_json(said.prompt),
-                            "prompt_token_ids": None, "routed_experts": None})
+                            "prompt_token_ids": self._prompt_ids(said.prompt),
+                            "routed_experts": None})
         answer = {**self._head(self.object), "choices": out, "service_tier": None,
                   "system_fingerprint": self.fingerprint, "usage": usage.json()}
         if self.job.kind == "chat":
-            answer.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+            answer.update(prompt_logprobs=None, prompt_token_ids=self._prompt_ids(
+                choices[0][0].prompt if choices else None), prompt_text=None)
         answer.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
         return answer
 
@@ -427,16 +434,28 @@ class Answer:
             text, positions = prompt.text + text, [*echoed, *positions]
         return text, positions
 
-    def opener(self, index: int) -> dict[str, Any]:
-        """Chat's first event of a choice: its role, no content yet (vLLM's)."""
+    def _ids(self, said: Echoed) -> list[int] | None:
+        """A choice's token ids, when the request asked for them (none for echo's prompt
+        alone)."""
+        if not self.job.token_ids:
+            return None
+        return [] if self.job.echo_only else list(said.token_ids or ())
+
+    def _prompt_ids(self, prompt: proto.PromptEcho | None) -> list[int] | None:
+        return list(prompt.token_ids) if self.job.token_ids and prompt is not None else None
+
+    def opener(self, index: int, prompt: proto.PromptEcho | None = None) -> dict[str, Any]:
+        """Chat's first event of a choice: its role, no content yet, and with
+        return_token_ids the prompt's ids (vLLM's)."""
         choice = {"index": index, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None}
         return {**self._head("chat.completion.chunk"), "choices": [choice],
-                "prompt_token_ids": None, "prompt_text": None}
+                "prompt_token_ids": self._prompt_ids(prompt), "prompt_text": None}
 
     def chunk(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None,
               ending: Ending | None = None, prompt_token_ids: list[int] | None = None,
-              parsed: dict[str, Any] | None = None) -> dict[str, Any]:
+              parsed: dict[str, Any] | None = None,
+              token_ids: list[int] | None = None) -> dict[str, Any]:
         """A choice's new text (and its logprobs); with `ending`, its last event, with vLLM's
         stop_reason (and system_fingerprint, unless a usage event ends the stream). A
         completion's first event with `echo` names the prompt's ids, as vLLM's does. `parsed`:
@@ -448,13 +467,14 @@ class Answer:
             if ending is not None:
                 choice.update(finish_reason=ending.finish_reason,
                               stop_reason=ending.stop_reason)
-            choice["token_ids"] = None
+            choice["token_ids"] = token_ids if self.job.token_ids else None
             obj = "chat.completion.chunk"
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs,
                       "finish_reason": None if ending is None else ending.finish_reason,
                       "stop_reason": None if ending is None else ending.stop_reason,
-                      "prompt_token_ids": prompt_token_ids, "token_ids": None}
+                      "prompt_token_ids": prompt_token_ids,
+                      "token_ids": token_ids if self.job.token_ids else None}
             obj = "text_completion"
         out = {**self._head(obj), "choices": [choice]}
         if ending is not None and not self.job.include_usage and self.fingerprint is not None:

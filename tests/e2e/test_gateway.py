@@ -305,6 +305,44 @@ def test_logprobs_and_echo_as_vllm_answers_them_and_kept_across_a_death(gateway)
                                   extra_body={"prompt_logprobs": 1})
 
 
+def test_return_token_ids_as_vllm_answers_them_and_kept_across_a_death(gateway):
+    """vLLM's return_token_ids on engined's own engines: the prompt's ids and each choice's,
+    whole and streamed, completions and chat (builtin:echo's ids are code points); a stream whose
+    replica is SIGKILLed goes on with each id once, none repeated."""
+    slow = {**ECHO, "env": {"ENGINED_ECHO_TOKEN_MS": "30"}, "stop_timeout": "2s"}
+    d, client = gateway([slow])
+    ids = {"return_token_ids": True}
+    done = client.completions.create(model="echo", prompt="abc", max_tokens=3, extra_body=ids)
+    choice = done.choices[0].model_dump()
+    assert (choice["text"], choice["token_ids"], choice["prompt_token_ids"]) == (
+        "abc", [97, 98, 99], [97, 98, 99])
+    plain = client.completions.create(model="echo", prompt="abc", max_tokens=3)
+    assert plain.choices[0].model_dump()["token_ids"] is None  # only when asked
+    chat = client.chat.completions.create(model="echo", messages=[
+        {"role": "user", "content": "hi"}], extra_body=ids).model_dump()
+    assert (chat["prompt_token_ids"], chat["choices"][0]["token_ids"]) == ([104, 105],
+                                                                           [104, 105])
+    events = [c.model_dump() for c in client.chat.completions.create(
+        model="echo", messages=[{"role": "user", "content": "hi"}], stream=True,
+        extra_body=ids)]
+    assert events[0]["prompt_token_ids"] == [104, 105]  # the opener's, as vLLM's
+    assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or ()] == [
+        104, 105]
+
+    prompt, got, killed = None, [], None
+    _idle(d)
+    for chunk in client.completions.create(model="echo", prompt=TEXT, max_tokens=100,
+                                           stream=True, extra_body=ids):
+        for c in chunk.model_dump()["choices"]:
+            prompt = prompt or c.get("prompt_token_ids")
+            got += c.get("token_ids") or []
+        if killed is None and len(got) >= 5:
+            killed = _serving(d)
+            os.kill(d.engine(killed)["pid"], signal.SIGKILL)
+    assert prompt == [ord(c) for c in TEXT] and got == prompt  # each id once, across the move
+    assert killed is not None and "moving it" in d.stderr_text()
+
+
 def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
     return http_json("POST", f"http://127.0.0.1:{port}{path}", body)
 
