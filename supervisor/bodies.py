@@ -105,6 +105,7 @@ class ChatBody(_OpenAI, kw_only=True):
     max_completion_tokens: Tokens | None = None
     logprobs: bool | None = None
     top_logprobs: Top | None = None
+    prompt_logprobs: Top | None = None  # vLLM's: the templated prompt's, beside the answer
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None

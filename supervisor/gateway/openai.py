@@ -149,8 +149,7 @@ def _completion(body: bodies.CompletionBody) -> Batch:
     if body.max_tokens == 0 and not echo:
         raise bad("max_tokens", "'max_tokens': expected `int` >= 1 (0 with 'echo' only)")
     logprobs, prompt_logprobs = body.logprobs, body.prompt_logprobs
-    if prompt_logprobs and body.stream:  # vLLM's rule: a stream has no place for them
-        raise bad("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true")
+    _no_prompt_logprobs_streamed(body)
     if echo and logprobs is not None:  # the echoed prompt comes with its logprobs
         prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     sampling = msgspec.structs.replace(
@@ -185,14 +184,20 @@ def _chat(body: bodies.ChatBody, frontend: dict[str, Any] | None) -> Batch:
         budget, key = body.max_tokens, "max_tokens"
     n = _n(body)
     logprobs = _chat_logprobs(body)
+    _no_prompt_logprobs_streamed(body)
     sampling = msgspec.structs.replace(
         fields.sampling(body, budget, MAX_TOKENS_DEFAULT_CHAT, TEMPERATURE_DEFAULT, key),
-        logprobs=logprobs, **_structured(body))
+        logprobs=logprobs, prompt_logprobs=body.prompt_logprobs, **_structured(body))
     jobs = [Job("chat", model, "", None, messages, seeded(sampling, j), bool(body.stream),
                 _include_usage(body), logprobs, chat=frontend,
                 token_ids=bool(body.return_token_ids))
             for j in range(n)]
     return _batch(jobs, n)
+
+
+def _no_prompt_logprobs_streamed(body: bodies.CompletionBody | bodies.ChatBody) -> None:
+    if body.prompt_logprobs and body.stream:  # vLLM's rule: a stream has no place for them
+        raise bad("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true")
 
 
 def _structured(body: bodies.CompletionBody | bodies.ChatBody) -> dict[str, Any]:
@@ -418,8 +423,9 @@ class Answer:
         answer = {**self._head(self.object), "choices": out, "service_tier": None,
                   "system_fingerprint": self.fingerprint, "usage": usage.json()}
         if self.job.kind == "chat":
-            answer.update(prompt_logprobs=None, prompt_token_ids=self._prompt_ids(
-                choices[0][0].prompt if choices else None), prompt_text=None)
+            prompt = choices[0][0].prompt if choices else None
+            answer.update(prompt_logprobs=prompt_logprobs_json(prompt),
+                          prompt_token_ids=self._prompt_ids(prompt), prompt_text=None)
         answer.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
         return answer
 

@@ -303,6 +303,11 @@ def test_logprobs_and_echo_as_vllm_answers_them_and_kept_across_a_death(gateway)
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
         client.completions.create(model="echo", prompt="xyz", max_tokens=2, stream=True,
                                   extra_body={"prompt_logprobs": 1})
+    # and a chat's: its templated prompt's (echo's "template" is the last message)
+    chatted = client.chat.completions.create(model="echo", messages=[
+        {"role": "user", "content": "hi"}], extra_body={"prompt_logprobs": 0}).model_dump()
+    assert chatted["prompt_logprobs"] == [None, {"105": {"logprob": 0.0, "rank": 1,
+                                                         "decoded_token": "i"}}], chatted
 
 
 def test_return_token_ids_as_vllm_answers_them_and_kept_across_a_death(gateway):

@@ -270,6 +270,8 @@ CASES = [
     Case("chat", CHAT, {"messages": HI, "max_tokens": 5}),
     Case("chat return_token_ids", CHAT, {"messages": HI, "max_tokens": 4,
                                          "return_token_ids": True}),
+    Case("chat prompt_logprobs", CHAT, {"messages": HI, "max_tokens": 3, "prompt_logprobs": 2},
+         streams=False),
     Case("chat logprobs", CHAT, {"messages": HI, "max_tokens": 4, "logprobs": True,
                                  "top_logprobs": 2}),
     Case("chat system+user", CHAT, {"messages": [{"role": "system", "content": "be brief"},
@@ -341,6 +343,7 @@ def test_what_vllm_serve_refuses_the_gateway_refuses(pair: Pair):
                            "stream": True}),  # a stream has no place for them
             (COMPLETIONS, {"prompt": "hello", "max_tokens": 2, "temperature": 0, "n": 2}),
             (CHAT, {"messages": HI, "max_tokens": 2, "top_logprobs": 2}),  # without logprobs
+            (CHAT, {"messages": HI, "max_tokens": 2, "prompt_logprobs": 1, "stream": True}),
     ]:
         direct = post(pair.direct, path, {**body, "model": pair.upstream_model})
         ours = post(pair.gateway, path, {**body, "model": OURS})
