@@ -128,19 +128,27 @@ def test_a_request_that_never_ends_holds_a_rollout_at_most_stop_timeout(tmp_path
     scenario(tmp_path, [COMMAND_GROUP], body)
 
 
+async def _lost_on_a_lone_replica(w: World, request_timeout_s: float
+                                  ) -> tuple[_Channels, asyncio.Future[list[object]]]:
+    """a-0 started alone and unreachable; a request relayed to it, which tries it once and
+    then waits (1 s later): its channels and the running request."""
+    await w.start("a-0")
+    channels = _Channels(dead="a-0")
+    relay = Relay(w.router, channels, w.clock.monotonic)  # type: ignore[arg-type]
+    job = parse_completion({"model": "a", "prompt": "hi", "max_tokens": 2}).first
+    run_ = asyncio.ensure_future(_collect(relay.run(
+        job, "a", "rid", w.clock.monotonic() + request_timeout_s, 3)))
+    await w.settle(1.0)
+    assert channels.sent == ["a-0"] and not run_.done()  # one try, then it waits
+    return channels, run_
+
+
 def test_a_lone_replica_judged_alive_after_a_loss_gets_the_request_again(tmp_path):
     """A request lost on a-0 that liveness then judges alive (it heartbeats on, READY, for a
     whole heartbeat_timeout after the loss: the loss was its connection's) goes back to a-0,
     instead of waiting for another replica until its request_timeout."""
     async def body(w: World) -> None:
-        await w.start("a-0")
-        channels = _Channels(dead="a-0")
-        relay = Relay(w.router, channels, w.clock.monotonic)  # type: ignore[arg-type]
-        job = parse_completion({"model": "a", "prompt": "hi", "max_tokens": 2}).first
-        run_ = asyncio.ensure_future(_collect(relay.run(job, "a", "rid",
-                                                        w.clock.monotonic() + 600, 3)))
-        await w.settle(1.0)
-        assert channels.sent == ["a-0"] and not run_.done()  # one try, then it waits
+        channels, run_ = await _lost_on_a_lone_replica(w, request_timeout_s=600)
         channels.dead = ""  # the trouble passes; a-0 never stopped heartbeating
         await w.settle(HEARTBEAT_TIMEOUT_S - 1.5)
         assert channels.sent == ["a-0"] and not run_.done()  # liveness may still be deciding
@@ -205,14 +213,7 @@ def test_a_lone_unreachable_replica_is_waited_out_not_retried(tmp_path):
     """With nothing else to go to, the request waits for a-0's replacement (its exit handled,
     a new incarnation READY) instead of spending its moves on the dead one in a millisecond."""
     async def body(w: World) -> None:
-        await w.start("a-0")
-        channels = _Channels(dead="a-0")
-        relay = Relay(w.router, channels, w.clock.monotonic)  # type: ignore[arg-type]
-        job = parse_completion({"model": "a", "prompt": "hi", "max_tokens": 2}).first
-        run_ = asyncio.ensure_future(_collect(relay.run(job, "a", "rid",
-                                                        w.clock.monotonic() + 60, 3)))
-        await w.settle(1.0)
-        assert channels.sent == ["a-0"] and not run_.done()  # one try, then it waits
+        channels, run_ = await _lost_on_a_lone_replica(w, request_timeout_s=60)
         channels.dead = ""  # the replacement answers
         w.stop_pulse("a-0")
         w.child("a-0").exit(None, signal.SIGKILL)
