@@ -83,6 +83,7 @@ class _OpenAI(Sampled, kw_only=True):
     response_format: dict[str, Any] | None = None
     structured_outputs: Annotated[dict[str, Any], Meta(min_length=1)] | None = None
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids
+    prompt_logprobs: Top | None = None  # vLLM's: the (templated) prompt's, beside the answer
 
 
 class CompletionBody(_OpenAI, kw_only=True):
@@ -94,7 +95,6 @@ class CompletionBody(_OpenAI, kw_only=True):
     echo: bool | None = None
     suffix: str | None = None
     logprobs: Top | None = None
-    prompt_logprobs: Top | None = None
 
 
 class ChatBody(_OpenAI, kw_only=True):
@@ -105,7 +105,6 @@ class ChatBody(_OpenAI, kw_only=True):
     max_completion_tokens: Tokens | None = None
     logprobs: bool | None = None
     top_logprobs: Top | None = None
-    prompt_logprobs: Top | None = None  # vLLM's: the templated prompt's, beside the answer
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None

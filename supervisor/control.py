@@ -14,7 +14,7 @@ import os
 import socket
 import struct
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
@@ -35,8 +35,6 @@ from engined.supervisor.webserver import CLIENT_TIMEOUT_S
 log = logging.getLogger("engined.control")
 
 MAX_BODY_BYTES = 64 * 1024
-DEFAULT_WAIT_S = bodies.DEFAULT_WAIT_S
-B = TypeVar("B", bound=bodies.Struct)
 GENERATE_MAX_TOKENS = 64  # POST /v1/generate's default token budget
 
 
@@ -162,7 +160,7 @@ def generate_request(body: dict[str, Any] | bodies.GenerateBody) -> proto.Genera
                                  messages=chat, sampling=sampling, stream=bool(ask.stream))
 
 
-def read(body: dict[str, Any], kind: type[B]) -> B:
+def read(body: dict[str, Any], kind: type[bodies.B]) -> bodies.B:
     """A control request's body as its declaration (supervisor.bodies); HTTPBadRequest naming
     the field."""
     try:

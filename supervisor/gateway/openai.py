@@ -25,7 +25,6 @@ from engined.supervisor import __version__, bodies
 from engined.supervisor import request_fields as fields
 
 MAX_TOKENS_DEFAULT_COMPLETION = 16  # OpenAI's
-MAX_CHOICES = bodies.MAX_CHOICES
 MAX_TOKENS_DEFAULT_CHAT = 1024
 TEMPERATURE_DEFAULT = 1.0  # OpenAI's
 
@@ -143,7 +142,7 @@ def _completion(body: bodies.CompletionBody) -> Batch:
     for field_, ok in (("best_of", (None, 1, n)), ("suffix", (None, ""))):
         if getattr(body, field_) not in ok:
             raise bad(field_, f"'{field_}' is not supported")
-    prompts = fields.prompts(body.prompt, MAX_CHOICES)
+    prompts = fields.prompts(body.prompt, bodies.MAX_CHOICES)
     echo = bool(body.echo)
     echo_only = echo and body.max_tokens == 0  # the prompt alone (lm-eval's scoring)
     if body.max_tokens == 0 and not echo:
@@ -246,8 +245,8 @@ def _n(body: bodies.CompletionBody | bodies.ChatBody) -> int:
 
 
 def _batch(jobs: list[Job], n: int) -> Batch:
-    if len(jobs) > MAX_CHOICES:
-        raise bad("n", f"a request makes at most {MAX_CHOICES} choices (prompts x n), got "
+    if len(jobs) > bodies.MAX_CHOICES:
+        raise bad("n", f"a request makes at most {bodies.MAX_CHOICES} choices (prompts x n), got "
                        f"{len(jobs)}")
     return Batch(jobs, n)
 
