@@ -120,6 +120,7 @@ class VllmChatBody(ChatBody, kw_only=True):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     reasoning_effort: str | None = None
+    echo: bool | None = None  # the answer begins with the last message, when it has the role
 
 
 class ResponsesBody(Sampled, kw_only=True):

@@ -304,8 +304,15 @@ def served_freeze(daemon: ServeDaemon, target: str, in_flight: bool) -> dict[str
             if not health.halt.is_set() and gone(tree[0]):
                 health.halt.set()  # the old server is gone: its port is no longer its
             now = daemon.engine()
+            if now["state"] == "FAILED":
+                raise BenchError(f"{SERVED_ENGINE} FAILED: {now.get('fail_reason')}")
             return now if now["state"] == "READY" and now["incarnation"] > old_inc else None
-        new = wait_until(replaced, START_TIMEOUT_S, f"{SERVED_ENGINE} READY after SIGSTOP", 0.05)
+        try:
+            new = wait_until(replaced, START_TIMEOUT_S,
+                             f"{SERVED_ENGINE} READY after SIGSTOP of {target} "
+                             f"({'a request in flight' if in_flight else 'idle'})", 0.05)
+        except BenchError as exc:
+            raise BenchError(f"{exc}\nstatus: {daemon.engine()}\n{daemon.log_tail()}") from None
     finally:
         health.stop()
         left = [p.pid for p in tree if not gone(p)]

@@ -162,6 +162,8 @@ class _Stream:
                     prompt = item.prompt if isinstance(item, Piece) else None
                     for i in range(len(self.runs)):
                         await _sse(response, self.answer.opener(i, prompt))
+                    for i in range(len(self.runs) if self.job.echoed else 0):
+                        await _sse(response, self.answer.echo_chunk(i))
                 if isinstance(item, Piece):
                     if not tokens_came:
                         tokens_came = True

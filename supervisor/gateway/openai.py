@@ -73,6 +73,7 @@ class Job:
     echo_only: bool = False  # max_tokens 0 with echo: the prompt alone (one token generated)
     chat: dict[str, Any] | None = None  # a chat the engine reads itself (vLLM's frontend)
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's ids and the answer's
+    echoed: str = ""  # chat's `echo` (vLLM's): the last message's content, before the answer
 
     @property
     def resumable(self) -> bool:
@@ -184,14 +185,33 @@ def _chat(body: bodies.ChatBody, frontend: dict[str, Any] | None) -> Batch:
     n = _n(body)
     logprobs = _chat_logprobs(body)
     _no_prompt_logprobs_streamed(body)
+    echo = body if isinstance(body, bodies.VllmChatBody) and body.echo else None
+    prompt_logprobs = body.prompt_logprobs
+    if echo and prompt_logprobs is None and not body.stream:  # vLLM's: echo scores the prompt
+        prompt_logprobs = body.top_logprobs or 0
     sampling = msgspec.structs.replace(
         fields.sampling(body, budget, MAX_TOKENS_DEFAULT_CHAT, TEMPERATURE_DEFAULT, key),
-        logprobs=logprobs, prompt_logprobs=body.prompt_logprobs, **_structured(body))
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, **_structured(body))
+    echoed = _chat_echo(echo, frontend) if echo else ""
     jobs = [Job("chat", model, "", None, messages, seeded(sampling, j), bool(body.stream),
                 _include_usage(body), logprobs, chat=frontend,
-                token_ids=bool(body.return_token_ids))
+                token_ids=bool(body.return_token_ids), echoed=echoed)
             for j in range(n)]
     return _batch(jobs, n)
+
+
+def _chat_echo(body: bodies.VllmChatBody, frontend: dict[str, Any] | None) -> str:
+    """vLLM's chat `echo`: the last message's content when its role is the answer's (the
+    assistant's after a generation prompt, else the last message's own), text parts joined
+    by newlines."""
+    if not frontend or not body.messages:
+        return ""
+    last = frontend["messages"][-1]
+    role = "assistant" if body.add_generation_prompt is not False else last.get("role")
+    content = last.get("content") if last.get("role") == role else None
+    if isinstance(content, list):
+        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
 
 
 def _no_prompt_logprobs_streamed(body: bodies.CompletionBody | bodies.ChatBody) -> None:
@@ -408,6 +428,8 @@ class Answer:
                         if self.job.logprobs is not None else None)
             if self.job.kind == "chat":
                 message = {**_message(text), **(said.message or {})}
+                if self.job.echoed:
+                    message["content"] = self.job.echoed + (message["content"] or "")
                 out.append({"index": index, "message": message, "logprobs": logprobs,
                             "finish_reason": ending.finish_reason,
                             "stop_reason": ending.stop_reason, "token_ids": self._ids(said),
@@ -456,6 +478,13 @@ class Answer:
                   "logprobs": None, "finish_reason": None}
         return {**self._head("chat.completion.chunk"), "choices": [choice],
                 "prompt_token_ids": self._prompt_ids(prompt), "prompt_text": None}
+
+    def echo_chunk(self, index: int) -> dict[str, Any]:
+        """Chat's `echo` in a stream: the echoed message after the choice's opener (vLLM's
+        event, with no token_ids)."""
+        choice = {"index": index, "delta": {"content": self.job.echoed}, "logprobs": None,
+                  "finish_reason": None}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def chunk(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None,
               ending: Ending | None = None, prompt_token_ids: list[int] | None = None,

@@ -280,6 +280,12 @@ CASES = [
                                         "logit_bias": {"<eos>": 100}}),
     Case("chat n=2 seeded", CHAT, {"messages": HI, "max_tokens": 4, "temperature": 0.8,
                                    "n": 2, "seed": 7}, exact=False),
+    Case("chat echo, continued", CHAT, {"messages": [*HI, {"role": "assistant",
+                                                           "content": "Sure,"}],
+                                        "max_tokens": 4, "echo": True,
+                                        "add_generation_prompt": False,
+                                        "continue_final_message": True}),
+    Case("chat echo, a user's last", CHAT, {"messages": HI, "max_tokens": 4, "echo": True}),
 ]
 MODES = {"whole": {}, "streamed": {"stream": True},
          "streamed with usage": {"stream": True, "stream_options": {"include_usage": True}}}
@@ -331,6 +337,12 @@ def test_the_gateway_answers_as_vllm_serve_does(pair: Pair, case: Case, mode: st
         assert all(c["stop_reason"] == body["stop_token_ids"][0] for c in choices), choices
     if "logit_bias" in body:
         assert all(c["finish_reason"] == "stop" for c in choices), choices
+    if body.get("echo") and chat and body.get("add_generation_prompt") is False:
+        said = ([c["message"]["content"] for c in ours["choices"]] if not body.get("stream")
+                else ["".join(e["choices"][0]["delta"].get("content") or "" for e in ours
+                              if e["choices"] and e["choices"][0]["index"] == i)
+                      for i in range(body.get("n", 1))])
+        assert len(said) == body.get("n", 1) and all(s.startswith("Sure,") for s in said), said
 
 
 def test_what_vllm_serve_refuses_the_gateway_refuses(pair: Pair):
