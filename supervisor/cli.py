@@ -35,6 +35,7 @@ EXIT_UNREACHABLE = 4
 
 STATUS_TIMEOUT_S = 30.0
 RELOAD_TIMEOUT_S = 300.0
+UPGRADE_TIMEOUT_S = 120.0  # the drain (at most the longest stop_timeout), then the exec
 # The daemon waits up to the command's own timeout before answering; leave it room to reply.
 WAIT_MARGIN_S = 30.0
 DEFAULT_ACTION_TIMEOUT_S = 120.0
@@ -500,6 +501,21 @@ def cmd_reload(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_upgrade(client: Client, args: argparse.Namespace) -> int:
+    """The installed engined takes over in place (1: refused, nothing changed; or no report)."""
+    before = client.call("POST", "/v1/upgrade", timeout_s=RELOAD_TIMEOUT_S)
+    deadline, status = time.monotonic() + args.timeout, None
+    while status is None or status["supervisor"]["handovers"] <= before["handovers"]:
+        if time.monotonic() >= deadline:
+            raise CtlError(f"engined did not report back within {args.timeout:g}s (its log?)")
+        time.sleep(0.05)
+        status = client.call("GET", "/v1/status")
+    sup, kept = status["supervisor"], sum(1 for e in status["engines"] if e["adopted_at"])
+    print(f"engined upgraded in place: {before['from']} -> {sup['version']} (pid {sup['pid']}, "
+          f"hand-over {sup['handover_s']}s, {kept} engine(s) kept running)")
+    return EXIT_OK
+
+
 def cmd_logs(client: Client, args: argparse.Namespace) -> int:
     query = f"lines={args.lines}" + ("&follow=1" if args.follow else "")
     path = f"/v1/engines/{quote(args.name, safe='')}/logs?{query}"
@@ -630,6 +646,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reload", parents=[common], help="re-read the fleet spec")
     p.set_defaults(func=cmd_reload)
+
+    p = sub.add_parser("upgrade", parents=[common], help="hand the engines to the installed "
+                       "engined, in place")
+    p.add_argument("--timeout", type=_positive_float, default=UPGRADE_TIMEOUT_S, metavar="S")
+    p.set_defaults(func=cmd_upgrade)
 
     p = sub.add_parser("logs", parents=[common], help="show an engine's log")
     p.add_argument("name", metavar="NAME")

@@ -23,6 +23,7 @@ from engined.supervisor import __version__, bodies
 from engined.supervisor import request_fields as fields
 from engined.supervisor.events import EventLog
 from engined.supervisor.fleet import Fleet, UnknownEngine
+from engined.supervisor.handover import HandoverRejected
 from engined.supervisor.ipc import EngineChannels, RequestFailed, RequestStream, new_request_id
 from engined.supervisor.reload import ReloadRejected
 from engined.supervisor.replica import Replica
@@ -30,7 +31,7 @@ from engined.supervisor.routing import Lease, NoReplica, Router
 from engined.supervisor.sampler import Sample, Sampler
 from engined.supervisor.state import EngineState
 from engined.supervisor.view import EngineView
-from engined.supervisor.webserver import CLIENT_TIMEOUT_S
+from engined.supervisor.webserver import CLIENT_TIMEOUT_S, LONG_LIVED
 
 log = logging.getLogger("engined.control")
 
@@ -55,6 +56,9 @@ class ControlContext:
         self.fork_servers = fork_servers  # the launcher's
         self.started = time.time()
         self.generation = 1
+        # the daemon's (supervisor.handover): an upgrade in place, and what status says of it
+        self.upgrade: Callable[[asyncio.Event], Awaitable[dict]] | None = None
+        self.handover_info: Callable[[], dict[str, Any]] = dict
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -93,6 +97,7 @@ def make_app(ctx: ControlContext) -> web.Application:
     app.router.add_get("/v1/engines/{name}/logs", routes.logs)
     app.router.add_post("/v1/generate", routes.generate)
     app.router.add_post("/v1/reload", routes.reload)
+    app.router.add_post("/v1/upgrade", routes.upgrade)
     app.router.add_get("/v1/events", routes.events)
     return app
 
@@ -179,7 +184,7 @@ class _Routes:
                       "uptime_s": round(time.time() - ctx.started, 3),
                       "config": ctx.config_path, "generation": ctx.generation,
                       "ipc_dropped": dict(ctx.channels.dropped),
-                      "fork_servers": ctx.fork_servers()}
+                      "fork_servers": ctx.fork_servers(), **ctx.handover_info()}
         views = ctx.fleet.view().engines
         sample = await ctx.sampler.sample([v.pid for v in views if v.pid is not None])
         engines = [engine_status(v, sample) for v in views]
@@ -215,6 +220,7 @@ class _Routes:
         if request.query.get("follow") not in ("1", "true"):
             return web.Response(text=head, content_type="application/x-ndjson")
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        request[LONG_LIVED] = True
         await response.prepare(request)
         queue = events.follow()
         try:
@@ -335,6 +341,22 @@ class _Routes:
             lease.replica.count_request(outcome)
         return response
 
+    async def upgrade(self, request: web.Request) -> web.StreamResponse:
+        """Check the installed engined, answer, then hand the engines over to it (the
+        daemon's exec follows this answer)."""
+        if self.ctx.upgrade is None:
+            return _error(501, "upgrade is not available in this daemon")
+        answered = asyncio.Event()
+        try:
+            accepted = await self.ctx.upgrade(answered)
+        except HandoverRejected as exc:
+            return _error(409, str(exc))
+        response = web.json_response(accepted, status=202)
+        await response.prepare(request)
+        await response.write_eof()
+        answered.set()
+        return response
+
     async def reload(self, request: web.Request) -> web.Response:
         if self.ctx.reload is None:
             return _error(501, "reload is not available in this daemon")
@@ -377,6 +399,7 @@ async def _follow(request: web.Request, replicas: list[Replica], prefixes: dict[
     """New lines of every replica named, interleaved as they come, until the follower leaves
     or every log closed."""
     response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
+    request[LONG_LIVED] = True
     await response.prepare(request)
     queue: asyncio.Queue[str | None] = asyncio.Queue()
     for replica in replicas:
@@ -423,6 +446,7 @@ def engine_status(view: EngineView, sample: Sample) -> dict[str, Any]:
         "port": view.port,
         "launcher": view.launcher or None,
         "role": "standby" if view.standby else "serving",
+        "adopted_at": view.adopted_at,
     }
 
 

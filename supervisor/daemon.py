@@ -28,7 +28,7 @@ from engined.engine.contract import (
     REQUEST_SOCKET_NAME,
     set_process_title,
 )
-from engined.supervisor import __version__
+from engined.supervisor import __version__, handover, snapshot
 from engined.supervisor.host import scratch
 from engined.supervisor.host.fdreserve import raise_nofile_limit
 from engined.supervisor.host.reaper import become_subreaper
@@ -42,6 +42,8 @@ from engined.supervisor.host.runtime import (
 from engined.supervisor.reload import LIVE_SUPERVISOR_KEYS, ReloadRejected, plan_reload
 from engined.supervisor.services import Paths, Services, status_line
 from engined.supervisor.spec import FleetSpec, SpecError, format_fleet, host_warnings, load_fleet
+from engined.supervisor.upgrade import InPlace
+from engined.supervisor.webserver import CappedRunner
 
 log = logging.getLogger("engined")
 DEFAULT_CONFIG = "/etc/engined/fleet.yaml"
@@ -50,6 +52,7 @@ DEFAULT_CONFIG = "/etc/engined/fleet.yaml"
 class DaemonCommand(enum.Enum):
     SHUTDOWN = "shutdown"
     RELOAD = "reload"
+    UPGRADE = "upgrade"
 
 
 class Daemon:
@@ -57,9 +60,13 @@ class Daemon:
 
     def __init__(self, spec: FleetSpec, paths: Paths, services: Services) -> None:
         self.spec, self.paths, self.services = spec, paths, services
-        self.commands: asyncio.Queue[tuple[DaemonCommand, asyncio.Future | None]] = \
-            asyncio.Queue()
-        self._reload_lock = asyncio.Lock()
+        self.argv: list[str] = []  # engined's own arguments, for an upgrade's exec
+        self.lock: RuntimeLock | None = None
+        self.resumed: snapshot.Snapshot | None = None  # the hand-over this run began with
+        self.runners: dict[str, CappedRunner] = {}
+        self.in_place = InPlace(self)  # upgrades (supervisor.upgrade)
+        self.commands: asyncio.Queue[tuple[DaemonCommand, Any]] = asyncio.Queue()
+        self.reload_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
 
     @classmethod
@@ -71,11 +78,20 @@ class Daemon:
         daemon: Daemon
         services = Services.build(spec, paths, old_soft, lambda: daemon.request_reload())
         daemon = cls(spec, paths, services)
+        services.control.upgrade = daemon.request_upgrade
+        services.control.handover_info = daemon.in_place.info
         return daemon
 
-    def dispatch(self, command: DaemonCommand, reply: asyncio.Future | None = None) -> None:
+    def dispatch(self, command: DaemonCommand, reply: Any = None) -> None:
         """The one entry for signals (via the loop's signal handlers) and control requests."""
         self.commands.put_nowait((command, reply))
+
+    async def request_upgrade(self, answered: asyncio.Event) -> dict:
+        """`POST /v1/upgrade`: the new code is checked, then this returns (the caller answers
+        its client and sets `answered`) and the hand-over goes on."""
+        reply: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        self.dispatch(DaemonCommand.UPGRADE, (reply, answered))
+        return await reply
 
     async def request_reload(self) -> dict:
         """`POST /v1/reload`: the same command SIGHUP enqueues, with a reply."""
@@ -86,16 +102,28 @@ class Daemon:
     async def run(self) -> int:
         loop, s = asyncio.get_running_loop(), self.services
         become_subreaper()
+        if self.resumed is not None:  # before anything can reap them: watch what we keep
+            self.in_place.adopt(self.resumed)
         s.reaper.install(loop)
+        s.reaper.reap_orphans()  # what exited while no code of ours ran (an upgrade's exec)
         await asyncio.to_thread(scratch.sweep_stale)
-        s.guard.keep()
+        fds = self.resumed.fds if self.resumed is not None else None
+        if fds is not None and fds.guard_pid is not None and fds.guard_fd is not None:
+            s.guard.adopt(fds.guard_pid, fds.guard_fd)
+        else:
+            s.guard.keep()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.dispatch, DaemonCommand.SHUTDOWN)
         loop.add_signal_handler(signal.SIGHUP, self.dispatch, DaemonCommand.RELOAD)
+        loop.add_signal_handler(signal.SIGUSR2, self.dispatch, DaemonCommand.UPGRADE)
         s.channels.start()
         s.monitor.start()
-        runners = await s.serve(self.spec, self.paths)
-        s.fleet.start()
+        resumed = self.resumed
+        if resumed is None:
+            self.runners = await s.serve(self.spec, self.paths)
+            s.fleet.start()
+        else:
+            await self.in_place.resume(resumed)
         s.notifier.ready(status_line(s.fleet))
         self._spawn_task(s.notifier.watchdog(s.monitor.healthy), "watchdog")
         log.info("[start] engined %s pid %d: %d engines from %s", __version__, os.getpid(),
@@ -103,7 +131,7 @@ class Daemon:
         try:
             await self._command_loop()
         finally:
-            await self._shutdown(runners)
+            await self._shutdown(list(self.runners.values()))
         return EXIT_OK
 
     def _spawn_task(self, coro: Any, name: str) -> None:
@@ -130,10 +158,12 @@ class Daemon:
             if command is DaemonCommand.RELOAD:
                 # A task, so a shutdown signal is seen while a reload stops removed engines.
                 self._spawn_task(self._reload(reply), "reload")
+            if command is DaemonCommand.UPGRADE:
+                self._spawn_task(self.in_place.upgrade(reply), "upgrade")
 
     async def _reload(self, reply: asyncio.Future | None) -> None:
         s = self.services
-        async with self._reload_lock:
+        async with self.reload_lock:
             s.notifier.reloading()
             try:
                 new = load_fleet(self.paths.config)
@@ -198,8 +228,10 @@ class Daemon:
             if command is DaemonCommand.SHUTDOWN:
                 log.warning("[shutdown] second signal: killing remaining engines now")
                 self.services.fleet.kill_all_now()
-            elif reply is not None and not reply.done():
-                reply.set_exception(ReloadRejected("engined is shutting down"))
+            elif reply is not None:
+                future = reply[0] if isinstance(reply, tuple) else reply
+                if not future.done():
+                    future.set_exception(ReloadRejected("engined is shutting down"))
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -214,6 +246,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--version", action="version", version=f"engined {__version__}")
     return parser.parse_args(argv)
+
+
+def own_argv(args: argparse.Namespace) -> list[str]:
+    """engined's arguments as the exec of an upgrade passes them again."""
+    return ["-c", os.path.abspath(args.config), "--log-level", args.log_level]
 
 
 def seal_inherited_fds() -> list[int]:
@@ -257,9 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     seal_inherited_fds()
     runtime_dir = resolve_runtime_dir(spec.supervisor.runtime_dir)
     lock = RuntimeLock(runtime_dir)
+    resumed = handover.take(runtime_dir)
     try:
         prepare_runtime_dir(runtime_dir)
-        lock.acquire()
+        if resumed is not None and resumed.fds is not None and resumed.fds.lock is not None:
+            lock.fd = resumed.fds.lock  # still held: an flock belongs to the open file
+        else:
+            lock.acquire()
     except (StartupError, OSError) as exc:
         print(f"engined: {exc}", file=sys.stderr)
         return EXIT_FAILURE
@@ -271,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> int:
         nonlocal daemon
         daemon = await Daemon.create(spec, paths)
+        daemon.argv, daemon.lock, daemon.resumed = own_argv(args), lock, resumed
         return await daemon.run()
 
     try:

@@ -46,6 +46,13 @@ class EventLog:
             if queue.qsize() < FOLLOWER_BACKLOG:
                 queue.put_nowait(event)
 
+    def restore(self, events: list[dict[str, Any]], total: int) -> None:
+        """The history the engined this one replaced kept (an upgrade in place), before ours."""
+        mine = list(self.recent)
+        self.recent.clear()
+        self.recent.extend([*events, *mine])
+        self.total += total
+
     def follow(self) -> asyncio.Queue[dict[str, Any]]:
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.followers.add(queue)

@@ -60,6 +60,9 @@ class Incarnation:
         # A forked child runs before its spawn returns: what it says meanwhile (HELLO, even
         # READY) is kept here and replayed once it is attached.
         self.early: list[proto.ChildMessage] = []
+        self.adopted_at: float | None = None  # handed over by an engined upgrade (unix time)
+        self.reattaching = False  # adopted, not yet reachable again (STARTING until it is)
+        self.resumed_since: float | None = None  # the READY run it had before (unix time)
 
     @property
     def kind(self) -> Kind:

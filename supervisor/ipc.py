@@ -93,6 +93,19 @@ class EngineChannels:
         loop.call_soon(self._drain_control)  # the FD is edge-triggered: catch early arrivals
         loop.call_soon(self._drain_requests)
 
+    def close_now(self) -> None:
+        """An upgrade's exec: the sockets closed, so the engines see their peer go and connect
+        again to the new code's (ZeroMQ reconnects by itself)."""
+        loop = self._loop
+        if loop is not None:
+            loop.remove_reader(self._control_fd)
+            if self._requests_fd >= 0:
+                loop.remove_reader(self._requests_fd)
+                self._requests_fd = -1
+        self.control.close(linger=0)
+        self.requests.close(linger=0)
+        self._sync_ctx.term()
+
     async def close(self) -> None:
         for stream in list(self._streams.values()):
             stream.fail(RequestFailed("engined is shutting down"))
@@ -232,6 +245,17 @@ class EngineChannels:
             raise RequestFailed(f"cannot send to {identity.decode()}: {exc.strerror}") from None
         finally:
             self._kick()
+
+    def reachable(self, address: tuple[str, int]) -> bool:
+        """Whether an engine child is connected to the request channel now (a Wake, which an
+        engine takes as nothing but the end of an idle poll, can be sent to it)."""
+        try:
+            self.requests.send_multipart([routing_id(*address), _WAKE], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        finally:
+            self._kick()
+        return True
 
     def wake(self, engine: str, incarnation: int) -> None:
         """Best effort: end a data-parallel rank's idle poll so it joins its peers' next step."""

@@ -239,6 +239,7 @@ class Replica:
             fail_reason=self.fail_reason, data_parallel=spec.data_parallel,
             port=child.port if child is not None else None, command=spec.is_command,
             standby=spec.standby, launcher=child.launcher if child is not None else "",
+            adopted_at=inc.adopted_at if inc is not None else None,
             **self.history.view_fields())
 
     # --- what the owner tells it -------------------------------------------------------------
@@ -389,7 +390,9 @@ class Replica:
             # Otherwise a heartbeat only moves deadlines later: the watcher re-checks at the old
             # deadline with fresh data, and a fleet of idle engines costs no wake-ups.
         elif isinstance(msg, proto.Ready):
-            if self.state is EngineState.STARTING:
+            if inc.reattaching:  # a command engine's first passing probe after an upgrade
+                reattached(self)
+            elif self.state is EngineState.STARTING:
                 self.history.startup_s = inc.on_ready(msg, now)
                 self.set_state(EngineState.READY)
                 log.info("[ready] %s pid %s incarnation %d in %.3fs (device %s)", self.name,
@@ -430,3 +433,18 @@ class Replica:
             engine_args={key: json.loads(value) for key, value in spec.engine_args},
             frontend_args={key: json.loads(value) for key, value in spec.frontend_args})
 
+
+def reattached(replica: Replica) -> None:
+    """Its incarnation, handed over by the engined this one replaced, is reachable again:
+    READY as it was (its startup time and its READY run are the ones it had)."""
+    inc = replica.current
+    assert inc is not None and inc.vitals is not None
+    inc.reattaching = False
+    inc.vitals.phase = "serving"
+    inc.vitals.heartbeat_at = replica.clock.monotonic()
+    log.info("[upgrade] %s pid %s incarnation %d re-attached", replica.name, inc.pid,
+             replica.incarnation)
+    replica.set_state(EngineState.READY)
+    if inc.resumed_since is not None:
+        replica.since = inc.resumed_since  # in READY since before the hand-over
+    replica.intent.wakeup.set()

@@ -47,7 +47,7 @@ from engined.supervisor.routing import Router
 from engined.supervisor.sampler import Sampler
 from engined.supervisor.spec import FleetSpec
 from engined.supervisor.systemd import Notifier
-from engined.supervisor.webserver import make_runner
+from engined.supervisor.webserver import CappedRunner, listening, make_runner
 
 log = logging.getLogger("engined")
 
@@ -136,30 +136,39 @@ class Services:
                    GuardControl(watcher), budget, launcher, channels, router, fleet, events,
                    control, upstream, gateway)
 
-    async def serve(self, spec: FleetSpec, paths: Paths) -> list[web.AppRunner]:
-        """The control socket, the TCP endpoint and the gateway, serving."""
-        runners = [await self._serve_control(paths.control_socket(spec))]
+    async def serve(self, spec: FleetSpec, paths: Paths,
+                    inherited: dict[str, int] | None = None) -> dict[str, CappedRunner]:
+        """The control socket, the TCP endpoint and the gateway, serving (by key: control,
+        http, gateway). `inherited`: listening sockets handed across an upgrade, by key."""
+        given = inherited or {}
+        runners = {"control": await self._serve_control(paths.control_socket(spec),
+                                                        given.get("control"))}
         sup = spec.supervisor
         if sup.http is not None:
             endpoint = MonitoringEndpoint(self.fleet, self.channels, self.sampler, self.monitor,
                                           self.gateway)
-            runners.append(await self._serve_tcp(endpoint.make_app(), sup.http,
-                                                 MAX_HTTP_CONNECTIONS, "HTTP", "http"))
+            runners["http"] = await self._serve_tcp(endpoint.make_app(), sup.http,
+                                                    MAX_HTTP_CONNECTIONS, "HTTP", "http",
+                                                    given.get("http"))
             log.info("[http] serving /metrics /health /livez /readyz on %s:%d", *sup.http)
         if self.gateway is not None and sup.gateway is not None:
-            runners.append(await self._serve_tcp(self.gateway.make_app(), sup.gateway,
-                                                 MAX_GATEWAY_CONNECTIONS, "the gateway",
-                                                 "gateway"))
+            runners["gateway"] = await self._serve_tcp(self.gateway.make_app(), sup.gateway,
+                                                       MAX_GATEWAY_CONNECTIONS, "the gateway",
+                                                       "gateway", given.get("gateway"))
             log.info("[gateway] serving the OpenAI API (/v1/completions, /v1/chat/completions, "
                      "/v1/responses, /v1/models, /tokenize, /detokenize) on %s:%d%s",
                      *sup.gateway,
                      " (bearer token required)" if sup.api_key_file else "")
         return runners
 
-    async def _serve_control(self, path: Path) -> web.AppRunner:
+    async def _serve_control(self, path: Path, fd: int | None) -> CappedRunner:
         runner = make_runner(make_app(self.control), MAX_CONTROL_CONNECTIONS,
                              self.budget.may_accept)
         await runner.setup()
+        if fd is not None:  # handed over by the engined this one replaced: still bound
+            await web.SockSite(runner, listening(fd)).start()
+            log.info("[control] listening on %s (handed over)", path)
+            return runner
         path.unlink(missing_ok=True)  # stale from a dead daemon; we hold the lock
         old_umask = os.umask(0o177)  # the socket is born 0600: no window with looser modes
         try:
@@ -171,9 +180,13 @@ class Services:
         return runner
 
     async def _serve_tcp(self, app: web.Application, address: tuple[str, int],
-                         max_connections: int, what: str, key: str) -> web.AppRunner:
+                         max_connections: int, what: str, key: str,
+                         fd: int | None = None) -> CappedRunner:
         runner = make_runner(app, max_connections, self.budget.may_accept)
         await runner.setup()
+        if fd is not None:
+            await web.SockSite(runner, listening(fd)).start()
+            return runner
         try:
             await web.TCPSite(runner, address[0], address[1], reuse_address=True).start()
         except OSError as exc:

@@ -62,6 +62,7 @@ class EngineView:
     command: bool = False  # a server engined did not write (probed, not heartbeating)
     launcher: str = ""  # what started the current (or last) incarnation, and why not forked
     standby: bool = False  # a warm spare of its group: not routed, not counted as serving
+    adopted_at: float | None = None  # its process was handed over by an engined upgrade (unix)
 
     @property
     def is_ready(self) -> bool:

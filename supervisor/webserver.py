@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import sys
 import time
 from typing import Any, Callable
@@ -20,9 +22,14 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_server import Server
 
+log = logging.getLogger("engined.http")
+
 # A client must deliver a request's headers, and then its body, within this; a slow or stalled
 # client is cut off (408 or a closed connection) instead of holding a connection and an fd forever.
 CLIENT_TIMEOUT_S = 10.0
+# A request whose answer is an endless stream (`logs -f`, `events -f`): an upgrade does not wait
+# for it to end (it is cut; the follower reconnects).
+LONG_LIVED = "engined.long_lived"
 # After answering a request whose body was not read (413, 408), read the rest only this long
 # before closing: long enough for a local client to see the answer.
 _LINGER_S = 2.0
@@ -30,7 +37,7 @@ _CLIENT_ERROR_LOG_EVERY_S = 5.0
 
 
 def make_runner(app: web.Application, max_connections: int,
-                may_accept: Callable[[], bool] = lambda: True) -> web.AppRunner:
+                may_accept: Callable[[], bool] = lambda: True) -> CappedRunner:
     """An AppRunner with the timeouts, the connection cap (and `may_accept`: the daemon's
     file-descriptor reserve) and the quiet client-error log."""
     # keepalive_timeout also bounds the wait for a first complete request (aiohttp arms it at
@@ -52,11 +59,86 @@ class CappedRunner(web.AppRunner):
         super().__init__(app, **kwargs)
         self.max_connections = max_connections
         self.may_accept = may_accept
+        self.draining = False  # an upgrade's hand-over: every answer closes its connection
+        app.on_response_prepare.append(self._closing)
+
+    async def _closing(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
+        if self.draining:  # "Connection: close": the client's next request waits for the new
+            response.force_close()  # code in the backlog instead of racing the exec
+            response.headers["Connection"] = "close"  # (the hook runs after aiohttp set it)
+
+    def hold(self) -> int:
+        """An upgrade: stop accepting but keep the listening socket open (a duplicate is
+        returned, -1 if none), so new clients wait in its backlog; every answer from now on
+        closes its connection, so a client's next request waits there too."""
+        self.draining = True
+        fd = -1
+        for site in self.sites:
+            server = site._server  # noqa: SLF001 - aiohttp keeps the asyncio server here
+            if server is None:
+                continue
+            fd = os.dup(server.sockets[0].fileno())  # type: ignore[attr-defined]
+            server.close()
+        return fd
+
+    def _handlers(self) -> list[Any]:
+        inner = web.AppRunner.server.fget(self)  # type: ignore[attr-defined]
+        return inner.connections if inner is not None else []
+
+    def busy(self) -> int:
+        """Connections with a request read and not yet answered (a follower's endless stream,
+        marked LONG_LIVED, is not waited for)."""
+        count = 0
+        for handler in self._handlers():
+            request = handler._current_request  # noqa: SLF001
+            if request is not None and request.get(LONG_LIVED):
+                continue
+            if handler._request_in_progress or handler._messages:  # noqa: SLF001
+                count += 1
+        return count
+
+    def idle_connections(self) -> list[int]:
+        """An upgrade's exec: duplicates of the open connections that are not serving a
+        request (a keep-alive connection between requests, one accepted whose request is still
+        in the kernel's buffer), for the new code to take over: they survive the exec, and
+        their next request is the new code's."""
+        fds = []
+        for handler in self._handlers():
+            transport = handler.transport
+            if transport is None or handler._request_in_progress or handler._messages:  # noqa
+                continue
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                fds.append(os.dup(sock.fileno()))
+        return fds
+
+    async def adopt_connections(self, fds: list[int]) -> None:
+        """The new code's side: each connection served as if just accepted."""
+        loop = asyncio.get_running_loop()
+        for fd in fds:
+            try:
+                await loop.connect_accepted_socket(self.server, listening(fd))
+            except OSError as exc:
+                log.warning("[http] a connection handed over could not be adopted: %s", exc)
+
+    async def accept_again(self, fd: int) -> None:
+        """Serve again on a socket `hold` kept (an upgrade that was abandoned)."""
+        self.draining = False
+        await web.SockSite(self, listening(fd)).start()
 
     @property
     def server(self) -> Any:  # what sites use as their protocol factory
         inner = super().server
         return None if inner is None else _CappedFactory(inner, self)
+
+
+def listening(fd: int) -> socket.socket:
+    """A socket handed across an exec (or held by `hold`), as ours: not inherited by children,
+    non-blocking."""
+    sock = socket.socket(fileno=fd)
+    sock.set_inheritable(False)
+    sock.setblocking(False)
+    return sock
 
 
 class _CappedFactory:

@@ -30,7 +30,11 @@ log = logging.getLogger("engined.engine")
 
 def supervise(replica: Replica) -> None:
     """Start the replica's worker (it runs until the replica is closed)."""
-    replica.intent.spawn_due = replica.clock.monotonic() if replica.wanted else None
+    # a fresh replica starts now; one handed over by an upgrade keeps its process, its
+    # backoff or its FAILED park (supervisor.handover)
+    if replica.current is None and replica.intent.spawn_due is None and replica.wanted \
+            and replica.state is EngineState.STOPPED:
+        replica.intent.spawn_due = replica.clock.monotonic()
     replica.task = replica.deps.loop.create_task(ReplicaWorker(replica).run(),
                                                  name=f"engine:{replica.name}")
 
@@ -153,7 +157,9 @@ class ReplicaWorker:
         if inc.liveness.verdict is not None:
             return Reason.HANG, None
         replica = self.replica
-        facts = inc.facts(replica.state is EngineState.STARTING, replica.spec, self.deps.monitor)
+        # an adopted incarnation is past its startup: judged by its heartbeats meanwhile
+        starting = replica.state is EngineState.STARTING and not inc.reattaching
+        facts = inc.facts(starting, replica.spec, self.deps.monitor)
         return check_liveness(now, facts)
 
     async def _wait_exit_or_wake(self, child: Child, until: float | None) -> None:

@@ -93,6 +93,27 @@ class GuardControl:
     def alive(self) -> bool:
         return self.exited is not None and not self.exited.done()
 
+    def hand_over(self) -> tuple[int | None, int | None]:
+        """An upgrade in place: the guard's pid and its pipe's write end, kept across the exec
+        (the guard sees no EOF: the same daemon goes on)."""
+        self._closing = True  # its exit is the new code's to watch now
+        return (self.pid, self._write_fd) if self.alive() else (None, None)
+
+    def adopt(self, pid: int, write_fd: int) -> None:
+        """The new code's side: the guard the old code started, told every child again."""
+        os.set_inheritable(write_fd, False)
+        try:
+            self.exited = self.watcher.watch(pid)
+        except OSError:  # gone meanwhile: a new one
+            os.close(write_fd)
+            self.keep()
+            return
+        self.pid, self._write_fd = pid, write_fd
+        for child in sorted(self.watcher.pids - {pid}):
+            self._tell(child, True)
+        self.exited.add_done_callback(self._exited)
+        log.info("[guard] pid %d (handed over) watches for engined's death", pid)
+
     async def close(self, timeout_s: float = 5.0) -> None:
         """Clean shutdown: EOF on its pipe; it finds nothing left and exits."""
         self._closing = True

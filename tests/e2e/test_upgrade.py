@@ -1,0 +1,165 @@
+"""`enginectl upgrade` and SIGUSR2 through the real daemon: the same pid re-executes the installed
+engined, which takes over every engine as it runs (same pids, same process start times, counts
+and history kept), with the gateway's clients streaming throughout: none fails, none is
+refused. A spec file that no longer matches the running fleet refuses the upgrade (exit 1) and
+changes nothing."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import openai
+import psutil
+from driver import PYTHON, REPO_ROOT, free_port
+
+SERVER = str(REPO_ROOT / "tests" / "commandserver.py")
+SLOW = {"ENGINED_ECHO_TOKEN_MS": "15"}
+FLEET = [
+    {"name": "echo", "replicas": 2, "standby": 1, "model": "builtin:echo", "env": SLOW},
+    {"name": "ex", "replicas": 1, "model": "builtin:echo", "launcher": "exec", "env": SLOW},
+    {"name": "web", "command": [PYTHON, SERVER, "--port", "{port}"], "port": "auto",
+     "probe": {"interval": "200ms", "timeout": "300ms", "failures": 3}},
+    {"name": "bad", "model": "builtin:echo", "env": {"ENGINED_ECHO_FAIL": "build"},
+     "backoff": {"initial": "0s"}, "start_limit": {"burst": 1, "interval": "60s"}},
+]
+TEXT = "the quick brown fox jumps over the lazy dog"
+
+
+def identity(d) -> dict[str, tuple[int, float, int, int]]:
+    """Per engine: (pid, the process's start time, incarnation, restarts)."""
+    out = {}
+    for name, e in d.engines().items():
+        if e["pid"] is not None:
+            out[name] = (e["pid"], psutil.Process(e["pid"]).create_time(), e["incarnation"],
+                         e["restarts"])
+    return out
+
+
+class Clients:
+    """Gateway clients in threads, streamed and not, until stopped: every outcome kept."""
+
+    def __init__(self, port: int, threads: int) -> None:
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                    max_retries=0, timeout=60)
+        self.stop = threading.Event()
+        self.ok = 0
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self.run, args=(i,), daemon=True)
+                        for i in range(threads)]
+
+    def run(self, i: int) -> None:
+        while not self.stop.is_set():
+            try:
+                if i % 2:
+                    text = "".join(c.choices[0].text for c in self.client.completions.create(
+                        model="echo", prompt=TEXT, max_tokens=30, stream=True) if c.choices)
+                else:
+                    text = self.client.completions.create(
+                        model="echo", prompt=TEXT, max_tokens=30).choices[0].text
+                assert text == TEXT[:30], text
+                with self.lock:
+                    self.ok += 1
+            except Exception as exc:  # noqa: BLE001 - every failure is the finding
+                with self.lock:
+                    self.errors.append(f"{exc!r} ({exc.__cause__!r}, {time.time():.3f})")
+
+    def __enter__(self) -> Clients:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name))
+
+
+def test_upgrade_keeps_every_engine_and_every_request(engined):
+    gateway, http = free_port(), free_port()
+    d = engined(FLEET, ready=False, supervisor={"gateway": f"127.0.0.1:{gateway}",
+                                                "http": f"127.0.0.1:{http}"})
+    d.wait_state("bad-0", "FAILED", timeout_s=30)
+    for name in ("echo-0", "echo-1", "echo-standby-0", "ex-0", "web-0"):
+        d.wait_state(name, "READY", timeout_s=30)
+    d.ctl("stop", "ex-0")
+    d.wait_state("ex-0", "STOPPED")
+    assert d.ctl("start", "ex-0").returncode == 0
+    before = identity(d)
+    bad = d.engine("bad-0")
+    events_before = d.ctl("events", "-n", "1000").stdout.splitlines()
+    with Clients(gateway, threads=8) as clients:
+        d.wait_for(lambda: clients.ok >= 16, 30, "requests flowing")
+        served_before = metric(http, 'engined_gateway_requests_total{model="echo",outcome="ok"}')
+        done = d.ctl("upgrade")
+        assert done.returncode == 0, done.stderr
+        assert "engined upgraded in place" in done.stdout, done.stdout
+        ok_at_upgrade = clients.ok
+        d.wait_for(lambda: clients.ok >= ok_at_upgrade + 16, 30, "requests after the upgrade")
+    assert clients.errors == [], clients.errors[:5]
+
+    status = d.status()
+    sup = status["supervisor"]
+    assert sup["pid"] == d.pid and sup["handovers"] == 1, sup
+    assert sup["handover_s"] is not None and sup["handover_s"] > 0, sup
+    assert sup["upgraded_from"] == sup["version"], sup
+    assert identity(d) == before  # same processes, same counts
+    engines = d.engines()
+    for name in before:
+        assert engines[name]["state"] == "READY" and engines[name]["adopted_at"], engines[name]
+    assert engines["bad-0"]["state"] == "FAILED" and engines["bad-0"]["pid"] is None
+    for key in ("restarts_by_reason", "last_exit", "fail_reason", "incarnation"):
+        assert engines["bad-0"][key] == bad[key], (key, engines["bad-0"], bad)
+    assert engines["ex-0"]["incarnation"] == 2  # its operator restart is history too
+    # the counters go on (Prometheus counters never go back), the history is kept
+    assert metric(http, 'engined_gateway_requests_total{model="echo",outcome="ok"}') \
+        >= served_before + 16
+    events_after = d.ctl("events", "-n", "1000").stdout.splitlines()
+    assert events_after[:len(events_before)] == events_before
+    assert "[upgrade] engined" in d.stderr_text()
+    # the engines are still supervised by the new code: a kill is a restart as ever
+    victim = engines["echo-0"]["pid"]
+    psutil.Process(victim).kill()
+    now = d.wait_restarted("echo-0", victim)
+    assert now["restarts"] == before["echo-0"][3] + 1, now
+
+
+def test_sigusr2_upgrades_too_and_a_second_upgrade_follows(engined):
+    d = engined([FLEET[0]])
+    before = identity(d)
+    d.signal(signal.SIGUSR2)
+    d.wait_for(lambda: d.status()["supervisor"]["handovers"] == 1, 30, "the hand-over")
+    d.wait_all_ready()
+    assert identity(d) == before
+    assert d.ctl("upgrade").returncode == 0
+    assert d.status()["supervisor"]["handovers"] == 2
+    assert identity(d) == before
+    assert d.ctl("generate", "hi").stdout.strip() == "hi"
+
+
+def test_an_upgrade_the_spec_file_no_longer_matches_is_refused_and_changes_nothing(engined):
+    d = engined([FLEET[1]])
+    before = identity(d)
+    d.spec_path.write_text(d.spec_path.read_text().replace("replicas: 1", "replicas: 2"))
+    refused = d.ctl("upgrade")
+    assert refused.returncode == 1, refused
+    assert "changed since it was loaded" in refused.stderr and "ex" in refused.stderr, refused
+    d.spec_path.write_text(d.spec_path.read_text().replace("replicas: 2", "replicas: 1"))
+    d.spec_path.write_text(d.spec_path.read_text().replace("launcher: exec", "launcher: 9"))
+    invalid = d.ctl("upgrade")
+    assert invalid.returncode == 1 and "launcher" in invalid.stderr, invalid
+    time.sleep(0.2)
+    assert d.status()["supervisor"]["handovers"] == 0
+    assert identity(d) == before
+    assert d.ctl("generate", "still here").stdout.strip() == "still here"
