@@ -186,7 +186,10 @@ def _adopt(replica: Replica, process: snapshot.Process, watcher: ChildWatcher,
     vitals = inc.vitals
     assert vitals is not None
     if process.ready is not None:
-        vitals.ready = msgspec.convert(process.ready, proto.Ready)
+        try:
+            vitals.ready = msgspec.convert(process.ready, proto.Ready)
+        except msgspec.ValidationError:
+            vitals.ready = None  # what status shows of it (device, dtype) is lost, nothing else
     if process.ready_ago_s is not None:
         vitals.ready_at = now - process.ready_ago_s  # its READY run goes on (backoff reset)
     vitals.heartbeat_at = now  # judged by heartbeats from now; never by its startup timeout

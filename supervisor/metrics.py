@@ -8,7 +8,7 @@ backwards within a daemon lifetime.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
@@ -40,12 +40,15 @@ class FleetCollector:
         self._cpu_reported: dict[str, float] = {}
         self._monitor: LoopMonitor | None = None
         self._gateway: GatewayStats | None = None
+        self._handover: dict[str, Any] = {}
 
     def update(self, views: Iterable[EngineView], sample: Sample,
                ipc_dropped: dict[str, int], monitor: LoopMonitor | None = None,
-               gateway: GatewayStats | None = None) -> None:
+               gateway: GatewayStats | None = None,
+               handover: dict[str, Any] | None = None) -> None:
         self._views, self._sample, self._ipc_dropped = list(views), sample, dict(ipc_dropped)
         self._monitor, self._gateway = monitor, gateway
+        self._handover = handover or {}
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: families vary with the fleet
@@ -64,6 +67,32 @@ class FleetCollector:
         yield dropped
         yield from self._loop_metrics()
         yield from self._gateway_metrics()
+        yield from self._handover_metrics()
+
+    def _handover_metrics(self) -> Iterator[Metric]:
+        """Upgrades in place (supervisor.upgrade): how many, the last one's gap, what was cut,
+        and when each engine's process was adopted."""
+        h = self._handover
+        handovers = CounterMetricFamily("engined_handovers",
+                                        "Upgrades of engined in place so far (its generation)")
+        handovers.add_metric([], h.get("handovers", 0))
+        yield handovers
+        cut = CounterMetricFamily("engined_handover_cut_requests",
+                                  "Requests an upgrade's drain bound cut")
+        cut.add_metric([], h.get("handover_cut", 0))
+        yield cut
+        if h.get("handover_s") is not None:
+            gap = GaugeMetricFamily("engined_handover_seconds", "The last upgrade's gap: from "
+                                    "the old code's last accept to the new code's first")
+            gap.add_metric([], h["handover_s"])
+            yield gap
+        adopted = GaugeMetricFamily("engined_engine_adopted_timestamp_seconds",
+                                    "When the engine's process was adopted by an upgraded "
+                                    "engined (unix time)", labels=["engine"])
+        for v in self._views:
+            if v.adopted_at is not None:
+                adopted.add_metric([v.name], v.adopted_at)
+        yield adopted
 
     def _gateway_metrics(self) -> Iterator[Metric]:
         stats = self._gateway

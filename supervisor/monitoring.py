@@ -11,6 +11,8 @@ An engine stopped on purpose (`enginectl stop`) is not expected to run and never
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -24,9 +26,10 @@ from engined.supervisor.sampler import Sampler
 
 class MonitoringEndpoint:
     def __init__(self, fleet: Fleet, channels: EngineChannels, sampler: Sampler,
-                 monitor: LoopMonitor, gateway: Gateway | None = None) -> None:
+                 monitor: LoopMonitor, gateway: Gateway | None = None,
+                 handover: Callable[[], dict[str, Any]] = dict) -> None:
         self.fleet, self.channels, self.sampler, self.monitor = fleet, channels, sampler, monitor
-        self.gateway = gateway
+        self.gateway, self.handover = gateway, handover
         self.collector = FleetCollector()
         self.registry = make_registry(self.collector)
 
@@ -43,7 +46,7 @@ class MonitoringEndpoint:
         sample = await self.sampler.sample([v.pid for v in views if v.pid is not None])
         gateway = self.gateway
         self.collector.update(views, sample, self.channels.dropped, self.monitor,
-                              gateway.stats if gateway else None)
+                              gateway.stats if gateway else None, self.handover())
         body = render(self.registry)  # on the loop: the handles are the loop's, not a thread's
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

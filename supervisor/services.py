@@ -146,7 +146,7 @@ class Services:
         sup = spec.supervisor
         if sup.http is not None:
             endpoint = MonitoringEndpoint(self.fleet, self.channels, self.sampler, self.monitor,
-                                          self.gateway)
+                                          self.gateway, lambda: self.control.handover_info())
             runners["http"] = await self._serve_tcp(endpoint.make_app(), sup.http,
                                                     MAX_HTTP_CONNECTIONS, "HTTP", "http",
                                                     given.get("http"))

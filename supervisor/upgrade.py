@@ -207,7 +207,7 @@ class InPlace:
         engine is reachable (bounded)."""
         s = self.d.services
         pending = self._pending
-        adopted = len(pending)
+        adopted = sorted(r.name for r in pending)
         s.events.restore(saved.events, saved.events_total)
         s.control.generation = saved.reloads
         if s.gateway is not None:
@@ -225,6 +225,10 @@ class InPlace:
                                     ("gateway", fds.gateway)) if fd is not None})
         for key, runner in self.d.runners.items():
             await runner.adopt_connections(fds.connections.get(key, []))
+        s.events.publish({"at": round(time.time(), 6), "engine": None, "event": "upgrade",
+                          "from": saved.engined, "to": __version__,
+                          "handovers": self.handovers, "handover_s": self.handover_s,
+                          "adopted": adopted, "late": late})
         log.info("[upgrade] engined %s (was %s) took over %d engines in %.3fs%s", __version__,
-                 saved.engined, adopted, self.handover_s or 0.0,
+                 saved.engined, len(adopted), self.handover_s or 0.0,
                  f"; not reachable yet: {', '.join(late)}" if late else "")

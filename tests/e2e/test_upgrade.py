@@ -6,6 +6,7 @@ changes nothing."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -127,6 +128,12 @@ def test_upgrade_keeps_every_engine_and_every_request(engined):
         >= served_before + 16
     events_after = d.ctl("events", "-n", "1000").stdout.splitlines()
     assert events_after[:len(events_before)] == events_before
+    upgrade = [json.loads(e) for e in events_after if '"upgrade"' in e]
+    assert len(upgrade) == 1 and upgrade[0]["handovers"] == 1, upgrade
+    assert upgrade[0]["adopted"] == sorted(before) and upgrade[0]["late"] == [], upgrade
+    assert metric(http, "engined_handovers_total") == 1
+    assert metric(http, "engined_handover_seconds") == sup["handover_s"]
+    assert metric(http, "engined_engine_adopted_timestamp_seconds") > 0
     assert "[upgrade] engined" in d.stderr_text()
     # the engines are still supervised by the new code: a kill is a restart as ever
     victim = engines["echo-0"]["pid"]
@@ -163,3 +170,18 @@ def test_an_upgrade_the_spec_file_no_longer_matches_is_refused_and_changes_nothi
     assert d.status()["supervisor"]["handovers"] == 0
     assert identity(d) == before
     assert d.ctl("generate", "still here").stdout.strip() == "still here"
+
+
+def test_a_hand_over_that_cannot_be_used_never_stops_engined_from_starting(engined, short_tmp):
+    corrupt = short_tmp / "corrupt.json"
+    corrupt.write_bytes(b'{"format": 1, "pid": ')
+    d = engined([FLEET[1]], env={"ENGINED_HANDOVER": str(corrupt)})
+    assert "cannot be used" in d.stderr_text() and "starting fresh" in d.stderr_text()
+    assert d.status()["supervisor"]["handovers"] == 0
+    environ = open(f"/proc/{d.engine('ex-0')['pid']}/environ", "rb").read()
+    assert b"ENGINED_HANDOVER" not in environ  # no engine inherits it
+    foreign = short_tmp / "foreign.json"  # another process's hand-over is not ours to take
+    foreign.write_text('{"format": 1, "pid": 1, "handovers": 5}')
+    other = engined([FLEET[1]], env={"ENGINED_HANDOVER": str(foreign)})
+    assert "is pid 1's, not ours" in other.stderr_text()
+    assert other.status()["supervisor"]["handovers"] == 0
