@@ -124,6 +124,26 @@ def test_notify_over_a_path_socket(notify_daemon, short_tmp):
     _wait(lambda: notify.having("STOPPING=1"), 5, "STOPPING=1")
 
 
+def test_an_upgrade_in_place_keeps_the_main_pid_and_tells_systemd(notify_daemon, short_tmp):
+    """`enginectl upgrade` under Type=notify: RELOADING=1, then the exec'd code's READY=1 from
+    the same pid (systemd's MAINPID), and the watchdog goes on beating."""
+    daemon, notify = notify_daemon(str(short_tmp / "notify.sock"), engines=[
+        {"name": "echo", "replicas": 1, "model": "builtin:echo"}])
+    _wait(lambda: notify.having("READY=1"), 10, "READY=1")
+    pid = daemon.engine("echo-0")["pid"]
+    before = len(notify.messages)
+    assert daemon.ctl("upgrade").returncode == 0
+    _wait(lambda: any(m.startswith("READY=1") for _, m in notify.messages[before:]), 10,
+          "READY=1 from the new code")
+    after = [m for _, m in notify.messages[before:]]
+    reloading = next(i for i, m in enumerate(after) if m.startswith("RELOADING=1"))
+    assert any(m.startswith("READY=1") for m in after[reloading + 1:]), after
+    start = len(notify.having("WATCHDOG=1"))
+    _wait(lambda: len(notify.having("WATCHDOG=1")) >= start + 3, 20, "the watchdog beating on")
+    assert daemon.status()["supervisor"]["pid"] == daemon.pid
+    assert daemon.engine("echo-0")["pid"] == pid
+
+
 def test_notify_over_an_abstract_socket(notify_daemon):
     name = f"@engined-test-{os.getpid()}-{time.monotonic_ns()}"
     daemon, notify = notify_daemon(name, watchdog_usec=1_000_000)
