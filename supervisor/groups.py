@@ -113,6 +113,14 @@ class ReplicaGroup:
     def forget(self, replica: Replica) -> None:
         self._history.pop(replica.name, None)
 
+    def failures(self, replica: Replica) -> FailureHistory:
+        """The replica's failure record (backoff streak, start-limit window): an upgrade
+        hands it over."""
+        return self._history.get(replica.name, FailureHistory())
+
+    def resume_failures(self, replica: Replica, history: FailureHistory) -> None:
+        self._history[replica.name] = history
+
 
 @dataclass(frozen=True)
 class _Failure:
@@ -221,6 +229,13 @@ class Gang:
 
     def forget(self, replica: Replica) -> None:
         self._held.pop(replica.name, None)
+
+    def failures(self, replica: Replica) -> FailureHistory:
+        """The gang's one failure record (each rank hands it over; any of them restores it)."""
+        return self.history
+
+    def resume_failures(self, replica: Replica, history: FailureHistory) -> None:
+        self.history = history
 
 
 Group = ReplicaGroup | Gang  # the owner of a group's replicas

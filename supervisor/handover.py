@@ -38,7 +38,7 @@ from engined.supervisor.host.exits import ChildWatcher
 from engined.supervisor.host.launcher import Child
 from engined.supervisor.incarnation import Incarnation
 from engined.supervisor.logs import PipeReader
-from engined.supervisor.policy import Reason
+from engined.supervisor.policy import FailureHistory, Reason
 from engined.supervisor.replica import Desired, Replica, reattached
 from engined.supervisor.state import EngineState
 from engined.supervisor.view import LastExit
@@ -69,9 +69,15 @@ def capture(replicas: Iterable[Replica], now_mono: float, **fields: Any) -> snap
             restart_in_s=(replica.intent.spawn_due - now_mono
                           if replica.intent.spawn_due is not None else None),
             restart_reason=replica.intent.reason.value if replica.intent.reason else None,
+            **_failures(replica.owner.failures(replica), now_mono),
             process=_process(replica.current, now_mono)))
     return snapshot.Snapshot(engined=__version__, pid=os.getpid(), written_at=time.time(),
                              replicas=out, **fields)
+
+
+def _failures(history: FailureHistory, now: float) -> dict[str, Any]:
+    return {"failures": [now - t for t in history.failure_times],
+            "consecutive": history.consecutive, "shortages": history.shortages}
 
 
 def _process(inc: Incarnation | None, now: float) -> snapshot.Process | None:
@@ -145,6 +151,8 @@ def restore(replica: Replica, saved: snapshot.Replica, watcher: ChildWatcher,
     history.cpu_seconds_exited = saved.cpu_seconds_exited
     replica.incarnation = saved.incarnation
     replica.desired = Desired(saved.desired)
+    replica.owner.resume_failures(replica, FailureHistory(
+        saved.consecutive, tuple(now_mono - ago for ago in saved.failures), saved.shortages))
     state = EngineState(saved.state)
     process = saved.process
     if process is not None and not _ours(process):

@@ -37,7 +37,7 @@ from engined.supervisor.liveness import HeartbeatLiveness, Liveness, ProbeLivene
 from engined.supervisor.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, LogSink
 from engined.supervisor.loopmonitor import LoopMonitor
 from engined.supervisor.notices import Notices, StateChange
-from engined.supervisor.policy import Action, Decision, Reason
+from engined.supervisor.policy import Action, Decision, FailureHistory, Reason
 from engined.supervisor.probe import ProbeClient
 from engined.supervisor.spec import EngineSpec
 from engined.supervisor.state import EngineState, check_transition
@@ -79,6 +79,10 @@ class Owner(Protocol):
     def on_down(self, replica: Replica, down: Down) -> None: ...
 
     def on_spawn_failed(self, replica: Replica, failure: SpawnFailure) -> None: ...
+
+    def failures(self, replica: Replica) -> FailureHistory: ...
+
+    def resume_failures(self, replica: Replica, history: FailureHistory) -> None: ...
 
 
 class AddressBook:

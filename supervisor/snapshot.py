@@ -67,6 +67,8 @@ class Replica(Struct, kw_only=True):
     restart_in_s: float | None = None  # a backoff's respawn, from the snapshot's time
     restart_reason: str | None = None  # what that respawn counts as (Reason's value)
     failures: list[float] = []  # the owner's recent failures, seconds before the snapshot
+    consecutive: int = 0  # the owner's failure streak (backoff)
+    shortages: int = 0  # spawns refused in a row for lack of resources
     process: Process | None = None
 
 

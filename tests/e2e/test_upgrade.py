@@ -185,3 +185,17 @@ def test_a_hand_over_that_cannot_be_used_never_stops_engined_from_starting(engin
     other = engined([FLEET[1]], env={"ENGINED_HANDOVER": str(foreign)})
     assert "is pid 1's, not ours" in other.stderr_text()
     assert other.status()["supervisor"]["handovers"] == 0
+
+
+def test_a_crash_loop_keeps_its_start_limit_across_an_upgrade(engined):
+    """The owner's failure record (backoff streak, start-limit window) is handed over: the
+    engine is parked FAILED at the same failure as without the upgrade."""
+    bad = {"name": "bad", "model": "builtin:echo", "env": {"ENGINED_ECHO_FAIL": "build"},
+           "backoff": {"initial": "1s", "factor": 1, "jitter": 0},
+           "start_limit": {"burst": 3, "interval": "120s"}}
+    d = engined([bad], ready=False)
+    d.wait_for(lambda: d.engine("bad-0")["restarts"] >= 1, 30, "a first failure")
+    assert d.ctl("upgrade").returncode == 0
+    failed = d.wait_state("bad-0", "FAILED", timeout_s=60)
+    assert failed["incarnation"] == 4, failed  # burst 3: the 4th failure gives up
+    assert d.status()["supervisor"]["handovers"] == 1
