@@ -15,6 +15,7 @@ from typing import Any
 
 import openai
 import psutil
+import pytest
 from driver import PYTHON, REPO_ROOT, free_port
 
 SERVER = str(REPO_ROOT / "tests" / "commandserver.py")
@@ -199,3 +200,24 @@ def test_a_crash_loop_keeps_its_start_limit_across_an_upgrade(engined):
     failed = d.wait_state("bad-0", "FAILED", timeout_s=60)
     assert failed["incarnation"] == 4, failed  # burst 3: the 4th failure gives up
     assert d.status()["supervisor"]["handovers"] == 1
+
+
+@pytest.mark.parametrize("when", ["as it begins", "during the exec"])
+def test_an_engine_that_dies_during_the_hand_over_is_restarted_once(engined, when):
+    """Killed as the upgrade begins, the old code restarts it (the upgrade waits for it to
+    settle); killed once the old code has exec'd, the new code finds its exit (our child's
+    zombie, with its status) and restarts it: exactly one restart either way."""
+    d = engined([dict(FLEET[1], replicas=2)])
+    before = identity(d)
+    victim = before["ex-0"][0]
+    d.signal(signal.SIGUSR2)
+    if when == "during the exec":
+        d.wait_for(lambda: "[upgrade] exec " in d.stderr_text(), 30, "the exec", interval_s=0.001)
+    psutil.Process(victim).kill()
+    d.wait_for(lambda: d.status()["supervisor"]["handovers"] == 1, 60, "the hand-over")
+    now = d.wait_restarted("ex-0", victim)
+    assert now["restarts_by_reason"] == {"signal": 1} and now["incarnation"] == 2, now
+    assert now["last_exit"]["signal"] == "SIGKILL", now
+    assert identity(d)["ex-1"] == before["ex-1"]
+    if when == "during the exec":  # the new code adopted what was left of it, then its exit
+        assert f"adopted pid {victim} " in d.log_text("ex-0"), d.log_text("ex-0")
