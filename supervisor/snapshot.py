@@ -105,6 +105,7 @@ class Snapshot(Struct, kw_only=True):
     events_total: int = 0
     counters: Counters = msgspec.field(default_factory=Counters)
     handover_started: float | None = None  # unix time the old code stopped accepting
+    fork_servers: list[dict[str, Any]] = []  # ready fork servers handed across an exec
     fds: Fds | None = None
 
 

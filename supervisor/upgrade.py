@@ -65,7 +65,6 @@ class InPlace:
                 return
             log.info("[upgrade] the new code accepts the spec: handing over %d engines",
                      len(s.fleet.replicas))
-            await s.launcher.close()  # fork servers: the new code starts its own when needed
             if future is not None and not future.done():
                 future.set_result({"upgrading": True, "from": __version__, "pid": os.getpid(),
                                    "handovers": self.handovers})
@@ -156,9 +155,11 @@ class InPlace:
             s.fleet.replicas.values(), s.clock.monotonic(), handovers=self.handovers + 1,
             reloads=s.control.generation, events=list(s.events.recent),
             events_total=s.events.total, counters=self._counters(cut), fds=fds,
-            handover_started=time.time() - (time.monotonic() - started))
+            handover_started=time.time() - (time.monotonic() - started),
+            fork_servers=s.launcher.hand_over())
         keep = [fds.lock, guard_fd, *held.values(),
-                *(fd for fds_ in connections.values() for fd in fds_)] + [
+                *(fd for fds_ in connections.values() for fd in fds_),
+                *(server["channel_fd"] for server in saved.fork_servers)] + [
             r.process.output_fd for r in saved.replicas if r.process is not None]
         path = snapshot.path_in(self.d.paths.runtime_dir)
         snapshot.write(path, saved)
@@ -188,6 +189,9 @@ class InPlace:
         """This process was exec'd by an upgrade: every replica's record and live process."""
         s = self.d.services
         now = s.clock.monotonic()
+        servers = s.launcher.adopt(saved.fork_servers)
+        if servers:
+            log.info("[upgrade] fork server(s) %s handed over", ", ".join(map(str, servers)))
         by_name = {r.name: r for r in saved.replicas}
         for name, replica in s.fleet.replicas.items():
             record = by_name.pop(name, None)

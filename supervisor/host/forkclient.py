@@ -84,7 +84,7 @@ class ForkServer:
         self.info: dict[str, Any] = {}
         self.broken: str | None = None  # why it must not be used again
         self._lock = asyncio.Lock()
-        self._ready: asyncio.Task[None] | None = None
+        self._ready: asyncio.Future[None] | None = None
 
     @property
     def alive(self) -> bool:
@@ -310,6 +310,60 @@ class ForkServerLauncher:
                           "starting" if s.alive else f"down: {s.broken}",
                  "tasks": s.info.get("tasks"), "import_s": s.info.get("import_s")}
                 for s in self.servers.values()]
+
+    def hand_over(self) -> list[dict[str, Any]]:
+        """An upgrade in place: each ready, idle fork server with a duplicate of its channel
+        (kept across the exec: the server sees no EOF and goes on serving the new code)."""
+        out = []
+        for server in self.servers.values():
+            if not (server.alive and server.info and server.channel is not None) \
+                    or server._lock.locked():  # noqa: SLF001 - a spawn in progress
+                continue
+            fd = os.dup(server.channel.fileno())
+            os.set_inheritable(fd, True)
+            out.append({"python": server.key.python, "kind": server.key.kind,
+                        "env": [list(pair) for pair in server.key.env], "pid": server.pid,
+                        "channel_fd": fd, "info": server.info,
+                        "started_total": self.started_total})
+        return out
+
+    def adopt(self, records: list[dict[str, Any]]) -> list[int]:
+        """The new code's side: the fork servers the old code handed over, ready at once (a
+        record that does not hold is dropped: the next spawn starts a server). Returns their
+        pids."""
+        adopted = []
+        for record in records:
+            try:
+                key = ServerKey(str(record["python"]), str(record["kind"]),
+                                tuple((str(k), str(v)) for k, v in record["env"]))
+                pid, fd = int(record["pid"]), int(record["channel_fd"])
+                self.started_total = max(self.started_total, int(record["started_total"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("[forkserver] a handed-over server record is unusable (%s)", exc)
+                continue
+            channel = socket.socket(fileno=fd)
+            channel.set_inheritable(False)
+            channel.setblocking(False)
+            server = ForkServer(key, self.watcher, self.log_dir / "forkserver.log")
+            try:
+                server.exited = self.watcher.watch(pid)
+            except OSError:
+                channel.close()
+                continue
+            server.pid, server.channel, server.info = pid, channel, dict(record.get("info") or {})
+            ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            ready.set_result(None)
+            server._ready = ready  # noqa: SLF001 - its handshake was the old code's
+            server.exited.add_done_callback(self._adopted_exit(server))
+            self.servers[key] = server
+            adopted.append(pid)
+        return adopted
+
+    def _adopted_exit(self, server: ForkServer) -> Any:
+        def exited(_: object) -> None:
+            if not self.closing:
+                server.fail("exited")
+        return exited
 
     async def close(self) -> None:
         self.closing = True

@@ -100,6 +100,7 @@ def test_upgrade_keeps_every_engine_and_every_request(engined):
     assert d.ctl("start", "ex-0").returncode == 0
     before = identity(d)
     bad = d.engine("bad-0")
+    forks = d.status()["supervisor"]["fork_servers"]
     events_before = d.ctl("events", "-n", "1000").stdout.splitlines()
     with Clients(gateway, threads=8) as clients:
         d.wait_for(lambda: clients.ok >= 16, 30, "requests flowing")
@@ -136,11 +137,16 @@ def test_upgrade_keeps_every_engine_and_every_request(engined):
     assert metric(http, "engined_handover_seconds") == sup["handover_s"]
     assert metric(http, "engined_engine_adopted_timestamp_seconds") > 0
     assert "[upgrade] engined" in d.stderr_text()
-    # the engines are still supervised by the new code: a kill is a restart as ever
+    # the engines are still supervised by the new code: a kill is a restart as ever, forked by
+    # the fork server the old code started (handed over: no new preload)
+    servers = sup["fork_servers"]
+    assert servers == forks and all(s["state"] == "ready" for s in servers), (servers, forks)
     victim = engines["echo-0"]["pid"]
     psutil.Process(victim).kill()
     now = d.wait_restarted("echo-0", victim)
     assert now["restarts"] == before["echo-0"][3] + 1, now
+    assert now["launcher"] == "forkserver", now
+    assert d.status()["supervisor"]["fork_servers"] == servers
 
 
 def test_sigusr2_upgrades_too_and_a_second_upgrade_follows(engined):
