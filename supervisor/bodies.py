@@ -185,6 +185,13 @@ class ActionBody(Struct, kw_only=True, forbid_unknown_fields=True):
     all_at_once: bool = False
 
 
+class UpgradeBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    """The control socket's `POST /v1/upgrade`: how long engines that are starting or stopping
+    may take to settle before the upgrade is refused (nothing changes then)."""
+
+    settle_s: Annotated[float, Meta(ge=0.0, le=MAX_WAIT_S)] = 30.0
+
+
 class BadField(ValueError):
     """A field the request cannot have: which one (`param`) and why, for the client."""
 

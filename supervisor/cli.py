@@ -503,14 +503,15 @@ def cmd_reload(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_upgrade(client: Client, args: argparse.Namespace) -> int:
     """The installed engined takes over in place (1: refused, nothing changed; or no report)."""
-    before = client.call("POST", "/v1/upgrade", timeout_s=RELOAD_TIMEOUT_S)
-    deadline, status = time.monotonic() + args.timeout, None
-    while status is None or status["supervisor"]["handovers"] <= before["handovers"]:
-        if time.monotonic() >= deadline:
-            raise CtlError(f"engined did not report back within {args.timeout:g}s (its log?)")
+    before = client.call("POST", "/v1/upgrade", {"settle_s": args.timeout},
+                         timeout_s=args.timeout + RELOAD_TIMEOUT_S)
+    deadline, sup = time.monotonic() + args.timeout, dict(handovers=-1, upgrade_abandoned=0)
+    while sup["handovers"] <= before["handovers"]:
+        if sup["upgrade_abandoned"] > before["abandoned"] or time.monotonic() >= deadline:
+            raise CtlError(str(sup.get("upgrade_error") or f"no report in {args.timeout:g}s"))
         time.sleep(0.05)
         status = client.call("GET", "/v1/status")
-    sup, kept = status["supervisor"], sum(1 for e in status["engines"] if e["adopted_at"])
+        sup, kept = status["supervisor"], sum(1 for e in status["engines"] if e["adopted_at"])
     print(f"engined upgraded in place: {before['from']} -> {sup['version']} (pid {sup['pid']}, "
           f"hand-over {sup['handover_s']}s, {kept} engine(s) kept running)")
     return EXIT_OK
@@ -647,8 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("reload", parents=[common], help="re-read the fleet spec")
     p.set_defaults(func=cmd_reload)
 
-    p = sub.add_parser("upgrade", parents=[common], help="hand the engines to the installed "
-                       "engined, in place")
+    p = sub.add_parser("upgrade", parents=[common], help="the installed engined takes over")
     p.add_argument("--timeout", type=_positive_float, default=UPGRADE_TIMEOUT_S, metavar="S")
     p.set_defaults(func=cmd_upgrade)
 

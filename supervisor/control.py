@@ -57,7 +57,7 @@ class ControlContext:
         self.started = time.time()
         self.generation = 1
         # the daemon's (supervisor.handover): an upgrade in place, and what status says of it
-        self.upgrade: Callable[[asyncio.Event], Awaitable[dict]] | None = None
+        self.upgrade: Callable[[asyncio.Event, float], Awaitable[dict]] | None = None
         self.handover_info: Callable[[], dict[str, Any]] = dict
 
 
@@ -346,9 +346,10 @@ class _Routes:
         daemon's exec follows this answer)."""
         if self.ctx.upgrade is None:
             return _error(501, "upgrade is not available in this daemon")
+        ask = read(await _json_body(request), bodies.UpgradeBody)
         answered = asyncio.Event()
         try:
-            accepted = await self.ctx.upgrade(answered)
+            accepted = await self.ctx.upgrade(answered, ask.settle_s)
         except HandoverRejected as exc:
             return _error(409, str(exc))
         response = web.json_response(accepted, status=202)

@@ -86,11 +86,11 @@ class Daemon:
         """The one entry for signals (via the loop's signal handlers) and control requests."""
         self.commands.put_nowait((command, reply))
 
-    async def request_upgrade(self, answered: asyncio.Event) -> dict:
+    async def request_upgrade(self, answered: asyncio.Event, settle_s: float) -> dict:
         """`POST /v1/upgrade`: the new code is checked, then this returns (the caller answers
         its client and sets `answered`) and the hand-over goes on."""
         reply: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
-        self.dispatch(DaemonCommand.UPGRADE, (reply, answered))
+        self.dispatch(DaemonCommand.UPGRADE, (reply, answered, settle_s))
         return await reply
 
     async def request_reload(self) -> dict:

@@ -20,6 +20,8 @@ from engined.supervisor.webserver import CappedRunner
 
 log = logging.getLogger("engined")
 
+SETTLE_S = 30.0  # engines starting or stopping may take this long before an upgrade goes on
+
 
 class Host(Protocol):
     """What an upgrade works on: the daemon (supervisor.daemon)."""
@@ -41,6 +43,8 @@ class InPlace:
         self.d = daemon
         self.handover_s: float | None = None  # the last hand-over's gap, seen by the new code
         self._pending: dict[Any, Any] = {}  # adopted replicas -> incarnations, not READY yet
+        self.abandoned = 0  # hand-overs begun and abandoned by this code (enginectl reports it)
+        self.last_error: str | None = None
 
     def info(self) -> dict[str, Any]:
         """Status: hand-overs so far (the daemon's generation), the last one's gap and what
@@ -49,14 +53,15 @@ class InPlace:
         return {"handovers": self.handovers,
                 "handover_s": round(self.handover_s, 4) if self.handover_s is not None else None,
                 "upgraded_from": resumed.engined if resumed is not None else None,
-                "handover_cut": resumed.counters.handover_cut if resumed is not None else 0}
+                "handover_cut": resumed.counters.handover_cut if resumed is not None else 0,
+                "upgrade_abandoned": self.abandoned, "upgrade_error": self.last_error}
 
-    async def upgrade(self, reply: tuple[asyncio.Future, asyncio.Event] | None) -> None:
-        future, answered = reply if reply is not None else (None, None)
+    async def upgrade(self, reply: tuple[asyncio.Future, asyncio.Event, float] | None) -> None:
+        future, answered, settle_s = reply if reply is not None else (None, None, SETTLE_S)
         s = self.d.services
         async with self.d.reload_lock:
             try:
-                handover.check_handover(s.fleet.replicas.values())
+                await self._settle(settle_s)
                 await self._check_new_code()
             except handover.HandoverRejected as exc:
                 log.error("[upgrade] refused: %s", exc)
@@ -67,7 +72,7 @@ class InPlace:
                      len(s.fleet.replicas))
             if future is not None and not future.done():
                 future.set_result({"upgrading": True, "from": __version__, "pid": os.getpid(),
-                                   "handovers": self.handovers})
+                                   "handovers": self.handovers, "abandoned": self.abandoned})
                 if answered is not None:  # the client has its answer before the exec
                     try:
                         await asyncio.wait_for(answered.wait(), 2.0)
@@ -77,10 +82,12 @@ class InPlace:
             started = time.monotonic()  # the gap begins: nothing more is accepted
             held = {key: runner.hold() for key, runner in self.d.runners.items()}
             cut = await self._drain_for_upgrade()
-            try:
-                await self._settle()
+            try:  # an engine that died meanwhile is restarting: it settles first
+                await self._settle(SETTLE_S)
             except handover.HandoverRejected as exc:
-                log.error("[upgrade] abandoned, engined goes on as it was: %s", exc)
+                self.abandoned += 1
+                self.last_error = f"the hand-over was abandoned, engined goes on as it was: {exc}"
+                log.error("[upgrade] %s", self.last_error)
                 await self._serve_again(held)
                 return
             self._exec(held, cut, started)
@@ -124,7 +131,7 @@ class InPlace:
                             "hand-over", busy, budget)
                 return busy
 
-    async def _settle(self, timeout_s: float = 30.0) -> None:
+    async def _settle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             try:

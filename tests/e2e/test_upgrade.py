@@ -227,3 +227,15 @@ def test_an_engine_that_dies_during_the_hand_over_is_restarted_once(engined, whe
     assert identity(d)["ex-1"] == before["ex-1"]
     if when == "during the exec":  # the new code adopted what was left of it, then its exit
         assert f"adopted pid {victim} " in d.log_text("ex-0"), d.log_text("ex-0")
+
+
+def test_engines_that_do_not_settle_in_time_refuse_the_upgrade(engined):
+    slow = {"name": "slow", "model": "builtin:echo", "env": {"ENGINED_ECHO_LOAD_S": "60"}}
+    d = engined([FLEET[1], slow], ready=False)
+    d.wait_state("ex-0", "READY")
+    d.wait_state("slow-0", "STARTING")
+    refused = d.ctl("upgrade", "--timeout", "1")
+    assert refused.returncode == 1, refused
+    assert "starting or stopping: slow-0 (STARTING)" in refused.stderr, refused.stderr
+    assert d.status()["supervisor"]["handovers"] == 0
+    assert d.ctl("generate", "--engine", "ex-0", "served").stdout.strip() == "served"
