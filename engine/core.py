@@ -35,6 +35,8 @@ from engined.engine.requests import RequestTable
 _PR_SET_PDEATHSIG = 1
 _IDLE_POLL_MS = 500  # idle wake-up; a signal wakes the loop at once through the wakeup fd
 _LINGER_MS = 500  # bounded linger: a dead daemon must not block our exit
+_RECONNECT_MS = 10  # a lost connection to engined is tried again after this (ZeroMQ: 100),
+_RECONNECT_MAX_MS = 500  # then doubling up to this
 _COALESCE_GAP_S = 0.001  # batching window: requests arriving this close together share a batch
 _COALESCE_MAX_S = 0.005
 _LONE_STARTS = 4  # this many lone requests in a row on an idle engine turn the window off
@@ -337,6 +339,9 @@ class EngineCoreProc:
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
         sock.setsockopt(zmq.SNDTIMEO, 1000)
         sock.setsockopt(zmq.SNDHWM, 10_000)
+        # engined re-binds its sockets when it upgrades in place: be back within milliseconds
+        sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
         if identity:
             sock.setsockopt(zmq.IDENTITY,
                             contract.routing_id(self.config.name, self.config.incarnation))
@@ -509,6 +514,8 @@ class _HeartbeatThread(threading.Thread):
         self.sock = core.ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 4)  # a stale heartbeat is worthless: do not queue many
+        self.sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_MS)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
         self.sock.connect(core.config.control_endpoint)
 
     def run(self) -> None:
