@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -240,6 +241,27 @@ def test_a_frozen_engine_core_under_a_request_is_a_stall(served: Daemon):
     # no token had reached the client: the gateway sent it again, to the replacement
     assert "done" in outcome, outcome
     assert outcome["done"].usage.completion_tokens >= 1
+
+
+def test_an_upgrade_in_place_keeps_the_server_and_the_stream_on_it(served: Daemon):
+    """`enginectl upgrade` with a stream running: the drain lets it finish, the new code adopts
+    the server (its whole tree unchanged) once its probe passes, and serves the next one."""
+    served.wait_all_ready(READY_TIMEOUT_S)
+    tree, client = _tree(served), _client(served)
+    stream = iter(client.completions.create(model="served", prompt="hello", max_tokens=64,
+                                            temperature=0, stream=True))
+    chunks = [next(stream)]  # it has begun
+    upgrade = served.ctl_popen("upgrade", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    chunks += list(stream)
+    out, err = upgrade.communicate(timeout=180)
+    assert upgrade.returncode == 0, err
+    assert sum(len(c.choices) for c in chunks) >= 64 and chunks[-1].choices[0].finish_reason
+    assert _tree(served) == tree
+    e = served.engine("served-0")
+    assert e["state"] == "READY" and e["adopted_at"] and e["restarts"] == 0, e
+    done = client.completions.create(model="served", prompt="hello", max_tokens=8,
+                                     temperature=0)
+    assert done.usage.completion_tokens == 8
 
 
 def test_after_a_daemon_sigkill_no_vllm_process_is_left(served: Daemon):
