@@ -122,6 +122,10 @@ def take(runtime_dir: Path) -> snapshot.Snapshot | None:
     if path is None:
         return None
     found, why = snapshot.load(Path(path))
+    try:
+        Path(path).unlink()  # read once: a later start must not take it for its own
+    except OSError:
+        pass
     if found is None:
         log.error("[upgrade] the hand-over snapshot %s cannot be used (%s): starting fresh",
                   path, why)
