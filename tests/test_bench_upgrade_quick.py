@@ -1,0 +1,139 @@
+"""The upgrade benchmark runs once, in its quick mode, so that it cannot rot.
+
+`python -m bench.upgrade --quick` in a subprocess (well under a minute here: one round of each
+scenario, tiny-llama): it must exit 0 and write every table with every row, and nothing it started
+may be left running. Nothing here asserts wall-clock speed (benchmarks report, tests don't time);
+only what is not a timing: in place (A), the daemon keeps its pid, both engines keep their
+processes and are adopted, no request fails and nothing is restarted; the old way (B), a new
+daemon with new engines, none of the old daemon's left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from benchreport import section, sections, tables
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(900)]
+TIMEOUT_S = 600  # a bound, not a timing assertion: the quick run takes well under a minute
+
+REQUEST_ROWS = ("requests in the window (trigger → load stopped)", "… answered ok",
+                "… failed, all kinds", "… connection refused",
+                "… connection reset or closed without an answer", "… HTTP error status",
+                "… stream cut, timeout or other error", "failed before the trigger (warm-up)",
+                "ok answers/s in the warm-up", "ok answers/s in the window")
+STALL_ROWS = ("the gap (A: `handover_s`; B: SIGTERM → first ok answer from the new daemon)",
+              "trigger → event done (A: status shows the hand-over; B: new daemon, every engine "
+              "READY)",
+              "trigger → first ok answer (any request)",
+              "trigger → first ok answer to a request sent after the trigger",
+              "longest request overlapping the event", "longest time without an ok answer, window",
+              "… the same in the warm-up (for scale)", "request time in the warm-up (median)")
+FLEET_ROWS = ("daemon pid kept (1 = yes)", "engines kept (same pid and start time)",
+              "fork servers kept (same pid)",
+              "engine restarts the daemon counted in the round (B: a new daemon counts from 0)",
+              "POST /v1/upgrade → 202 (the new code's check)",
+              "requests cut by the drain bound (`handover_cut`)",
+              "engines adopted (`adopted_at` set)", "`engined_handover_seconds` (/metrics)",
+              "SIGTERM → old daemon exited (drain, engines stopped)",
+              "engines of the old daemon alive after it exited",
+              "new daemon start → every engine READY (`since`)",
+              "engines' `startup_s` (spawn → READY, median of the replicas)")
+A_ONLY = FLEET_ROWS[4:8]
+B_ONLY = FLEET_ROWS[8:]
+RESTARTS = FLEET_ROWS[3]
+SECONDS = re.compile(r"\d+\.\d{3} s")
+
+
+def left_running(daemon_pids: set[int]) -> list[str]:
+    """Live processes of the bench's daemons: a daemon itself, or anything carrying a daemon's
+    mark in its environment (engines, fork servers, the guard)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if proc.pid in daemon_pids and ("engined.supervisor.daemon" in cmdline
+                                            or cmdline.startswith("engined: supervisor")):
+                found.append(f"daemon {proc.pid}: {cmdline[:120]}")
+                continue
+            env = proc.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        marks = (env.get("ENGINED_PARENT_PID", ""), env.get("ENGINED_OWNER", "").split("/")[0])
+        if any(m.isdigit() and int(m) in daemon_pids for m in marks):
+            found.append(f"{proc.pid} {cmdline[:120]}")
+    return found
+
+
+def test_upgrade_quick_produces_every_table(tmp_path: Path) -> None:
+    out = tmp_path / "upgrade.md"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ENGINED_") and k not in ("NOTIFY_SOCKET", "PYTHONPATH")}
+    done = subprocess.run([sys.executable, "-m", "bench.upgrade", "--quick", "--out", str(out)],
+                          cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    text = out.read_text()
+    assert text in done.stdout.replace("\r", "")  # the same tables were printed
+    assert "processes left over and killed by pid: none" in text, text[-500:]
+    pids_line = re.search(r"^- daemon pids: (.*)$", text, re.M)
+    assert pids_line, text[-500:]
+    daemon_pids = {int(p) for p in re.findall(r"\b(\d+)\b", pids_line.group(1))}
+    assert len(daemon_pids) == 2, pids_line.group(0)  # the first, and B's new daemon
+    assert left_running(daemon_pids) == []
+    check_report(text)
+
+
+def by_label(body: str, labels: tuple[str, ...]) -> dict[str, list[str]]:
+    """The section's one table, by row label: every label there, once, and nothing else;
+    each row: label, A median, A min–max, B median, B min–max, rounds."""
+    (rows,) = tables(body)
+    assert [row[0] for row in rows] == list(labels), rows
+    for row in rows:
+        assert len(row) == 6 and row[5] == "1/1", row  # one round of each
+    return {row[0]: row for row in rows}
+
+
+def check_report(text: str) -> None:
+    secs = sections(text)
+    requests = by_label(section(secs, "1. Requests through the gateway"), REQUEST_ROWS)
+    stall = by_label(section(secs, "2. The gap"), STALL_ROWS)
+    fleet = by_label(section(secs, "3. The engines and the daemon"), FLEET_ROWS)
+
+    for row in requests.values():  # every request row measured for both scenarios
+        assert "–" not in (row[1], row[3]), row
+    for row in stall.values():
+        assert SECONDS.fullmatch(row[1]) and SECONDS.fullmatch(row[3]), row
+    for label in A_ONLY:
+        assert fleet[label][1] != "–" and fleet[label][3] == "–", fleet[label]
+    for label in B_ONLY:
+        assert fleet[label][1] == "–" and fleet[label][3] != "–", fleet[label]
+
+    # both scenarios served requests in their window
+    assert int(requests["… answered ok"][1]) > 0 and int(requests["… answered ok"][3]) > 0
+    # A, in place: nothing failed, nothing refused, nothing cut, the same processes
+    assert requests["… failed, all kinds"][1] == "0", requests["… failed, all kinds"]
+    assert requests["… connection refused"][1] == "0", requests["… connection refused"]
+    assert fleet["daemon pid kept (1 = yes)"][1] == "1", fleet
+    assert fleet["engines kept (same pid and start time)"][1] == "2 of 2", fleet
+    assert fleet[RESTARTS][1] == "0", fleet
+    assert fleet["engines adopted (`adopted_at` set)"][1] == "2 of 2", fleet
+    assert fleet["requests cut by the drain bound (`handover_cut`)"][1] == "0", fleet
+    # B, the old way: a new daemon, new engines, none of the old daemon's left behind
+    assert fleet["daemon pid kept (1 = yes)"][3] == "0", fleet
+    assert fleet["engines kept (same pid and start time)"][3] == "0 of 2", fleet
+    assert fleet["engines of the old daemon alive after it exited"][3] == "0", fleet
+    # nothing failed before either trigger
+    assert requests["failed before the trigger (warm-up)"][1:4:2] == ["0", "0"], requests
+
+    failures = section(secs, "4. Failed requests")
+    assert re.search(r"^- A: upgrade in place, round 1: none$", failures, re.M), failures
+    assert re.search(r"^- B: SIGTERM \+ new daemon, round 1: ", failures, re.M), failures
+    section(secs, "Method")
