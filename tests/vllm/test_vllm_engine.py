@@ -516,6 +516,20 @@ def test_bad_engine_args_fail_at_once_with_exit_78(engined, vllm_python: str, ti
 # --- the shared fleet's end: the daemon's SIGTERM cleans every vLLM child up --------------------
 
 
+def test_an_upgrade_in_place_keeps_both_vllm_engines(ready_fleet: Daemon):
+    """The vLLM engine children are adopted as they run (same pids, same incarnations, the
+    same restart counts) and serve at once through the gateway."""
+    d = ready_fleet
+    before = {n: (e["pid"], e["incarnation"], e["restarts"]) for n, e in d.engines().items()}
+    done = d.ctl("upgrade")
+    assert done.returncode == 0, done.stderr
+    after = {n: (e["pid"], e["incarnation"], e["restarts"]) for n, e in d.engines().items()}
+    assert after == before
+    assert all(e["adopted_at"] and e["state"] == "READY" for e in d.engines().values())
+    code, body = _post(d, {"prompt": "hello after", "max_tokens": 8})
+    assert code == 200 and body["text"], body
+
+
 def test_daemon_sigterm_runs_every_vllm_cleanup_and_leaves_nothing(ready_fleet: Daemon):
     """Last in the module: it stops the shared fleet's daemon."""
     d = ready_fleet
@@ -541,18 +555,3 @@ def test_daemon_sigterm_runs_every_vllm_cleanup_and_leaves_nothing(ready_fleet: 
         assert "reason=signal SIGTERM" in line, line
         assert "model_freed=1" in line and "vllm_shutdown_s=" in line, line
         assert "vllm_shutdown_failed" not in line, line
-
-
-def test_an_upgrade_in_place_keeps_both_vllm_engines(ready_fleet: Daemon):
-    """The vLLM engine children are adopted as they run (same pids, same incarnations, the
-    same restart counts) and serve at once through the gateway."""
-    d = ready_fleet
-    before = {n: (e["pid"], e["incarnation"], e["restarts"]) for n, e in d.engines().items()}
-    done = d.ctl("upgrade")
-    assert done.returncode == 0, done.stderr
-    after = {n: (e["pid"], e["incarnation"], e["restarts"]) for n, e in d.engines().items()}
-    assert after == before
-    assert all(e["adopted_at"] and e["state"] == "READY" for e in d.engines().values())
-    code, body = _post(d, {"prompt": "hello after", "max_tokens": 8})
-    assert code == 200 and body["text"], body
-
