@@ -219,17 +219,7 @@ def _adopt(replica: Replica, process: snapshot.Process, watcher: ChildWatcher,
 def _ours(process: snapshot.Process) -> bool:
     """Our child (so its pid cannot have been reused: we have not reaped it), born when the
     snapshot says."""
-    try:
-        with open(f"/proc/{process.pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    fields = stat[stat.rfind(b")") + 2:].split()
-    try:
-        ppid = int(fields[1])
-    except (IndexError, ValueError):
-        return False
-    return ppid == os.getpid() and snapshot.start_ticks(process.pid) == process.start_ticks
+    return snapshot.parent_and_start(process.pid) == (os.getpid(), process.start_ticks)
 
 
 def _close(fd: int | None) -> None:

@@ -109,14 +109,7 @@ class EngineChannels:
     async def close(self) -> None:
         for stream in list(self._streams.values()):
             stream.fail(RequestFailed("engined is shutting down"))
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self._control_fd)
-        if self._requests_fd >= 0:
-            loop.remove_reader(self._requests_fd)
-            self._requests_fd = -1
-        self.control.close(linger=0)
-        self.requests.close(linger=0)
-        self._sync_ctx.term()
+        self.close_now()
 
     # --- control channel ---------------------------------------------------------------------
     def _drain_control(self) -> None:

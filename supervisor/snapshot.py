@@ -223,6 +223,13 @@ def _struct_of(annotation: Any) -> type[Struct] | None:
 def start_ticks(pid: int) -> int | None:
     """The process's start time (field 22 of /proc/PID/stat, clock ticks since boot): with the
     pid, it names one process for the machine's uptime. None if there is no such process."""
+    found = parent_and_start(pid)
+    return found[1] if found is not None else None
+
+
+def parent_and_start(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks since boot) from /proc/PID/stat, read once; None
+    if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -231,6 +238,6 @@ def start_ticks(pid: int) -> int | None:
     # the command name (field 2) is in parentheses and may hold spaces or parentheses
     fields = stat[stat.rfind(b")") + 2:].split()
     try:
-        return int(fields[19])
+        return int(fields[1]), int(fields[19])
     except (IndexError, ValueError):
         return None
