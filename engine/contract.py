@@ -22,10 +22,23 @@ CONFIG_LINE_PREFIX = "[config] invalid engine config: "
 # --- environment the daemon sets for each child --------------------------------------------------
 ENV_CONFIG = "ENGINED_CONFIG"  # JSON of protocol.EngineConfig
 ENV_PARENT_PID = "ENGINED_PARENT_PID"  # the daemon's pid, checked after PR_SET_PDEATHSIG
+# set (seconds > 0) when engines outlive a dead daemon for the next one to adopt
+# (supervisor.orphan_timeout): the engine then sets no PR_SET_PDEATHSIG; the daemon's guard
+# ends it if no engined adopts it in time
+ENV_ORPHAN_TIMEOUT = "ENGINED_ORPHAN_TIMEOUT"
 ENV_NOFILE = "ENGINED_NOFILE"  # the soft RLIMIT_NOFILE engined started with: the child's own
 # "<daemon pid>/<engine>/<incarnation>", inherited by everything an engine starts: how engined
 # (and its guard, after a daemon SIGKILL) finds an engine's descendants
 ENV_OWNER = "ENGINED_OWNER"
+
+def outlives_daemon(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this engine is to outlive a dead daemon (ENV_ORPHAN_TIMEOUT > 0)."""
+    raw = (os.environ if env is None else env).get(ENV_ORPHAN_TIMEOUT, "")
+    try:
+        return float(raw) > 0
+    except ValueError:
+        return False
+
 
 # --- engine channels (ZeroMQ ipc:// endpoints the daemon binds in its runtime directory) ----------
 CONTROL_SOCKET_NAME = "engines-control.sock"

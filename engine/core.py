@@ -70,6 +70,8 @@ def _die_with_parent() -> None:
     PR_SET_PDEATHSIG is tied to the daemon's thread that spawned us; engined spawns from its
     event-loop thread, which lives as long as the daemon does.
     """
+    if contract.outlives_daemon():
+        return  # the daemon's guard ends us if no engined adopts us in time
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     parent = os.environ.get(contract.ENV_PARENT_PID)

@@ -243,9 +243,10 @@ def become_engine(request: dict[str, Any], daemon: int) -> NoReturn:
         if time.monotonic() > deadline:
             os._exit(contract.EXIT_FAILURE)
         time.sleep(0.0002)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != daemon:
-        os._exit(contract.EXIT_FAILURE)  # the daemon died in between
+    if not contract.outlives_daemon(env):  # else the daemon's guard ends us, unadopted
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != daemon:
+            os._exit(contract.EXIT_FAILURE)  # the daemon died in between
     _reseed(int(env.get("ENGINED_NUM_THREADS", "1")))
     from engined.engine.core import EngineCoreProc
 

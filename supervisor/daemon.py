@@ -28,7 +28,7 @@ from engined.engine.contract import (
     REQUEST_SOCKET_NAME,
     set_process_title,
 )
-from engined.supervisor import __version__, handover, snapshot
+from engined.supervisor import __version__, handover, recovery, snapshot
 from engined.supervisor.host import scratch
 from engined.supervisor.host.fdreserve import raise_nofile_limit
 from engined.supervisor.host.reaper import become_subreaper
@@ -63,6 +63,8 @@ class Daemon:
         self.argv: list[str] = []  # engined's own arguments, for an upgrade's exec
         self.lock: RuntimeLock | None = None
         self.resumed: snapshot.Snapshot | None = None  # the hand-over this run began with
+        self.claimer: recovery.Claimer | None = None  # set when resumed after engined died
+        self.keeper: recovery.Keeper | None = None  # <runtime_dir>/state.json, kept current
         self.runners: dict[str, CappedRunner] = {}
         self.in_place = InPlace(self)  # upgrades (supervisor.upgrade)
         self.commands: asyncio.Queue[tuple[DaemonCommand, Any]] = asyncio.Queue()
@@ -103,10 +105,10 @@ class Daemon:
         loop, s = asyncio.get_running_loop(), self.services
         become_subreaper()
         if self.resumed is not None:  # before anything can reap them: watch what we keep
-            self.in_place.adopt(self.resumed)
+            self.in_place.adopt(self.resumed, self.claimer)
         s.reaper.install(loop)
         s.reaper.reap_orphans()  # what exited while no code of ours ran (an upgrade's exec)
-        await asyncio.to_thread(scratch.sweep_stale)
+        await asyncio.to_thread(scratch.sweep_stale, self._adopted_roots())
         fds = self.resumed.fds if self.resumed is not None else None
         if fds is not None and fds.guard_pid is not None and fds.guard_fd is not None:
             s.guard.adopt(fds.guard_pid, fds.guard_fd)
@@ -126,6 +128,11 @@ class Daemon:
             await self.in_place.resume(resumed)
         s.notifier.ready(status_line(s.fleet))
         self._spawn_task(s.notifier.watchdog(s.monitor.healthy), "watchdog")
+        keeper = self.keeper = recovery.Keeper(snapshot.path_in(self.paths.runtime_dir),
+                                               self.in_place.capture_now)
+        s.events.on_publish = keeper.touch
+        await keeper.write_now()
+        self._spawn_task(keeper.run(), "snapshot")
         log.info("[start] engined %s pid %d: %d engines from %s", __version__, os.getpid(),
                  len(s.fleet.replicas), self.paths.config)
         try:
@@ -133,6 +140,16 @@ class Daemon:
         finally:
             await self._shutdown(list(self.runners.values()))
         return EXIT_OK
+
+    def _adopted_roots(self) -> set[int]:
+        """The daemons whose scratch roots adopted engines still use (their TMPDIRs)."""
+        out = set()
+        for replica in self.services.fleet.replicas.values():
+            inc = replica.current
+            head = inc.token.partition("/")[0] if inc is not None else ""
+            if head.isdigit() and int(head) != os.getpid():
+                out.add(int(head))
+        return out
 
     def _spawn_task(self, coro: Any, name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -196,6 +213,8 @@ class Daemon:
 
     async def _shutdown(self, runners: list[web.AppRunner]) -> None:
         s = self.services
+        if self.keeper is not None:  # the state kept is the fleet's before the shutdown's stops
+            self.keeper.closed = True
         s.notifier.stopping()
         log.info("[shutdown] stopping %d engines", len(s.fleet.replicas))
         started = time.monotonic()
@@ -218,7 +237,11 @@ class Daemon:
         for runner in runners:
             await runner.cleanup()
         await s.close()
-        await asyncio.to_thread(scratch.remove_root)
+        if self.keeper is not None:
+            await self.keeper.close()
+        snapshot.path_in(self.paths.runtime_dir).unlink(missing_ok=True)  # nothing to adopt
+        for pid in {None, *self._adopted_roots()}:
+            await asyncio.to_thread(scratch.remove_root, pid)
         log.info("[shutdown] done in %.2fs", time.monotonic() - started)
 
     async def _second_shutdown_signal(self) -> None:
@@ -242,6 +265,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"fleet spec (YAML); default {DEFAULT_CONFIG}")
     parser.add_argument("--check", action="store_true",
                         help="validate the spec, print the resolved fleet and exit (0 or 78)")
+    parser.add_argument("--stop-orphans", action="store_true",
+                        help="stop the engines a dead engined left for adoption (on its "
+                             "runtime directory) now, and exit: a stop, not a restart")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--version", action="version", version=f"engined {__version__}")
@@ -290,17 +316,29 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # `engined --check | head`
             pass
         return EXIT_OK
+    if args.stop_orphans:
+        print(f"engined: {recovery.stop_orphans(resolve_runtime_dir(spec.supervisor.runtime_dir))}")
+        return EXIT_OK
     set_process_title(f"engined: supervisor ({Path(args.config).name})", "engined")
     seal_inherited_fds()
     runtime_dir = resolve_runtime_dir(spec.supervisor.runtime_dir)
     lock = RuntimeLock(runtime_dir)
     resumed = handover.take(runtime_dir)
+    claimer: recovery.Claimer | None = None
     try:
         prepare_runtime_dir(runtime_dir)
         if resumed is not None and resumed.fds is not None and resumed.fds.lock is not None:
             lock.fd = resumed.fds.lock  # still held: an flock belongs to the open file
         else:
             lock.acquire()
+            # The lock is ours, so the engined before us is gone: what it left, we adopt.
+            resumed = recovery.load(runtime_dir)
+            orphans = recovery.claim(runtime_dir)
+            if resumed is not None:
+                resumed.handovers += 1
+                claimer = recovery.Claimer(orphans, resumed.pid)
+            elif orphans:
+                recovery.Claimer(orphans, 0).leftovers()
     except (StartupError, OSError) as exc:
         print(f"engined: {exc}", file=sys.stderr)
         return EXIT_FAILURE
@@ -313,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal daemon
         daemon = await Daemon.create(spec, paths)
         daemon.argv, daemon.lock, daemon.resumed = own_argv(args), lock, resumed
+        daemon.claimer = claimer
         return await daemon.run()
 
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Any
+from typing import Any, Callable
 
 from engined.supervisor.view import EngineView
 
@@ -38,6 +38,7 @@ class EventLog:
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=kept)
         self.followers: set[asyncio.Queue[dict[str, Any]]] = set()
         self.total = 0
+        self.on_publish: Callable[[], None] | None = None  # the state snapshot's keeper
 
     def publish(self, event: dict[str, Any]) -> None:
         self.recent.append(event)
@@ -45,6 +46,8 @@ class EventLog:
         for queue in self.followers:
             if queue.qsize() < FOLLOWER_BACKLOG:
                 queue.put_nowait(event)
+        if self.on_publish is not None:
+            self.on_publish()
 
     def restore(self, events: list[dict[str, Any]], total: int) -> None:
         """The history the engined this one replaced kept (an upgrade in place), before ours."""

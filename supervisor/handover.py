@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -137,11 +137,33 @@ def take(runtime_dir: Path) -> snapshot.Snapshot | None:
     return found
 
 
+class Claim(Protocol):
+    """How a saved process is taken back: its pidfd (None: open one) and output pipe, or None
+    if it is not provably the process saved."""
+
+    def __call__(self, replica: Replica, process: snapshot.Process) -> \
+            tuple[int | None, int] | None: ...
+
+
+def exec_claim(replica: Replica, process: snapshot.Process) -> tuple[int | None, int] | None:
+    """An upgrade in place: our child (its pid cannot have been reused) with the start time
+    saved, and its output pipe kept across the exec."""
+    if process.output_fd is None:
+        return None
+    if not _ours(process):
+        log.warning("[upgrade] %s: pid %d is not the process handed over (gone, or not our "
+                    "child): starting it again", replica.name, process.pid)
+        _close(process.output_fd)
+        return None
+    return None, process.output_fd
+
+
 def restore(replica: Replica, saved: snapshot.Replica, watcher: ChildWatcher,
-            now_mono: float) -> Incarnation | None:
-    """The replica's record from `saved`; its live process adopted if it is provably the one
-    saved (our child, same start time). Returns the adopted incarnation (STARTING until it is
-    reachable), or None (the replica spawns by its state, as at a start)."""
+            now_mono: float, claim: Claim = exec_claim, how: str = "after an upgrade of "
+            "engined in place") -> Incarnation | None:
+    """The replica's record from `saved`; its live process adopted if `claim` proves it is the
+    one saved. Returns the adopted incarnation (STARTING until it is reachable), or None (the
+    replica spawns by its state, as at a start). `now_mono`: the snapshot's time."""
     history = replica.history
     for key, count in saved.restarts.items():
         try:
@@ -159,12 +181,8 @@ def restore(replica: Replica, saved: snapshot.Replica, watcher: ChildWatcher,
         saved.consecutive, tuple(now_mono - ago for ago in saved.failures), saved.shortages))
     state = EngineState(saved.state)
     process = saved.process
-    if process is not None and not _ours(process):
-        log.warning("[upgrade] %s: pid %d is not the process handed over (gone, or not our "
-                    "child): starting it again", replica.name, process.pid)
-        _close(process.output_fd)
-        process = None
-    if process is None or process.output_fd is None:
+    taken = claim(replica, process) if process is not None else None
+    if process is None or taken is None:
         if state is EngineState.FAILED:
             replica.fail_reason = saved.fail_reason
             replica.state = state
@@ -178,22 +196,22 @@ def restore(replica: Replica, saved: snapshot.Replica, watcher: ChildWatcher,
                 replica.intent.reason = Reason(saved.restart_reason)
             replica.state = EngineState.BACKOFF
         return None
-    return _adopt(replica, process, watcher, now_mono, saved.since)
+    return _adopt(replica, process, taken, watcher, now_mono, saved.since, how)
 
 
-def _adopt(replica: Replica, process: snapshot.Process, watcher: ChildWatcher,
-           now: float, since: float) -> Incarnation:
+def _adopt(replica: Replica, process: snapshot.Process, taken: tuple[int | None, int],
+           watcher: ChildWatcher, now: float, since: float, how: str) -> Incarnation:
     deps = replica.deps
-    assert process.output_fd is not None
+    pidfd, output_fd = taken
     inc = Incarnation(tuple(process.address),  # type: ignore[arg-type]
                       process.token, deps.liveness_for(replica.spec, lambda: inc))
-    exited = watcher.watch(process.pid)
-    child = Child(process.pid, process.output_fd, exited,
+    os.set_inheritable(output_fd, False)
+    os.set_blocking(output_fd, False)
+    exited = watcher.watch(process.pid, output_fd=output_fd, pidfd=pidfd)
+    child = Child(process.pid, output_fd, exited,
                   spawned_at=now - process.spawned_ago_s, launcher=process.launcher,
                   port=process.port)
-    os.set_inheritable(process.output_fd, False)
-    os.set_blocking(process.output_fd, False)
-    inc.attach(child, PipeReader(deps.loop, process.output_fd, replica.log),
+    inc.attach(child, PipeReader(deps.loop, output_fd, replica.log),
                replica.log.lines_total)
     vitals = inc.vitals
     assert vitals is not None
@@ -204,15 +222,15 @@ def _adopt(replica: Replica, process: snapshot.Process, watcher: ChildWatcher,
             vitals.ready = None  # what status shows of it (device, dtype) is lost, nothing else
     if process.ready_ago_s is not None:
         vitals.ready_at = now - process.ready_ago_s  # its READY run goes on (backoff reset)
-    vitals.heartbeat_at = now  # judged by heartbeats from now; never by its startup timeout
+    vitals.heartbeat_at = deps.clock.monotonic()  # judged by heartbeats from now; never by
+    # its startup timeout
     inc.adopted_at, inc.reattaching = time.time(), True
     inc.resumed_since = since
     replica.current = inc
     replica.bind(inc.address)
     replica.state = EngineState.STARTING
     inc.liveness.begin(inc.address, child.port, replica.on_message, replica.intent.wakeup.set)
-    replica.log.note(f"adopted pid {process.pid} (incarnation {inc.address[1]}) after an "
-                     f"upgrade of engined in place")
+    replica.log.note(f"adopted pid {process.pid} (incarnation {inc.address[1]}) {how}")
     return inc
 
 

@@ -75,7 +75,7 @@ class ExitStatus:
         if self.code == EXIT_CONFIG:
             return "exit 78 (invalid engine config or model)"
         if self.code is None:
-            return "exit status unknown (reaped elsewhere)"
+            return "exit status unknown (not engined's child: adopted, or reaped elsewhere)"
         if self.signal_name is not None:
             return f"exit {self.code} (terminated by {self.signal_name} after cleanup)"
         return f"exit {self.code}"

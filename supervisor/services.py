@@ -103,9 +103,10 @@ class Services:
         budget = FdReserve(lambda: fleet.starting())
         channels = EngineChannels(str(paths.runtime_dir), lambda msg: fleet.on_message(msg))
         router = Router(lambda: fleet.replicas.values(), clock.monotonic)
-        launcher = ForkServerLauncher(
-            ExecLauncher(loop, expose_engine_package(paths.runtime_dir / "python"),
-                         budget=budget, nofile=nofile, watcher=watcher), paths.log_dir)
+        execs = ExecLauncher(loop, expose_engine_package(paths.runtime_dir / "python"),
+                             budget=budget, nofile=nofile, watcher=watcher)
+        execs.orphan_timeout_s = sup.orphan_timeout_s
+        launcher = ForkServerLauncher(execs, paths.log_dir)
         deps = ReplicaDeps(
             loop=loop, clock=clock, launcher=launcher, log_dir=paths.log_dir,
             control_endpoint=channels.control_endpoint,
@@ -132,9 +133,9 @@ class Services:
         notices.state.subscribe(router.on_state)
         notices.lost.subscribe(channels.on_lost)
         notices.lost.subscribe(upstream.on_lost)
-        return cls(clock, monitor, notifier, sampler, probes, watcher, reaper,
-                   GuardControl(watcher), budget, launcher, channels, router, fleet, events,
-                   control, upstream, gateway)
+        guard = GuardControl(watcher, paths.runtime_dir, sup.orphan_timeout_s)
+        return cls(clock, monitor, notifier, sampler, probes, watcher, reaper, guard, budget,
+                   launcher, channels, router, fleet, events, control, upstream, gateway)
 
     async def serve(self, spec: FleetSpec, paths: Paths,
                     inherited: dict[str, int] | None = None) -> dict[str, CappedRunner]:

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, Protocol
 
-from engined.supervisor import __version__, handover, snapshot
+from engined.supervisor import __version__, handover, recovery, snapshot
 from engined.supervisor.host.runtime import RuntimeLock
 from engined.supervisor.reload import plan_reload
 from engined.supervisor.services import Paths, Services, status_line
@@ -20,6 +20,7 @@ from engined.supervisor.webserver import CappedRunner
 
 log = logging.getLogger("engined")
 
+HANDOVER_FILE = "handover.json"  # the snapshot an exec'd engined resumes from
 SETTLE_S = 30.0  # engines starting or stopping may take this long before an upgrade goes on
 
 
@@ -45,6 +46,7 @@ class InPlace:
         self._pending: dict[Any, Any] = {}  # adopted replicas -> incarnations, not READY yet
         self.abandoned = 0  # hand-overs begun and abandoned by this code (enginectl reports it)
         self.last_error: str | None = None
+        self.recovered = False  # this engined adopted the engines of one that died
 
     def info(self) -> dict[str, Any]:
         """Status: hand-overs so far (the daemon's generation), the last one's gap and what
@@ -53,6 +55,8 @@ class InPlace:
         return {"handovers": self.handovers,
                 "handover_s": round(self.handover_s, 4) if self.handover_s is not None else None,
                 "upgraded_from": resumed.engined if resumed is not None else None,
+                "recovered_from": resumed.pid if resumed is not None and self.recovered
+                else None,
                 "handover_cut": resumed.counters.handover_cut if resumed is not None else 0,
                 "upgrade_abandoned": self.abandoned, "upgrade_error": self.last_error}
 
@@ -168,7 +172,7 @@ class InPlace:
                 *(fd for fds_ in connections.values() for fd in fds_),
                 *(server["channel_fd"] for server in saved.fork_servers)] + [
             r.process.output_fd for r in saved.replicas if r.process is not None]
-        path = snapshot.path_in(self.d.paths.runtime_dir)
+        path = self.d.paths.runtime_dir / HANDOVER_FILE  # not state.json: its keeper writes that
         snapshot.write(path, saved)
         s.channels.close_now()  # engines reconnect to the new code's sockets by themselves
         handover.keep_across_exec(fd for fd in keep if fd is not None and fd >= 0)
@@ -177,6 +181,14 @@ class InPlace:
                  sum(1 for r in saved.replicas if r.process is not None))
         logging.shutdown()
         os.execve(sys.executable, argv, {**os.environ, handover.ENV_HANDOVER: str(path)})
+
+    def capture_now(self) -> snapshot.Snapshot:
+        """The state as it is, for the snapshot kept current on disk (supervisor.recovery)."""
+        s = self.d.services
+        return handover.capture(
+            s.fleet.replicas.values(), s.clock.monotonic(), handovers=self.handovers,
+            reloads=s.control.generation, events=list(s.events.recent),
+            events_total=s.events.total, counters=self._counters(0))
 
     def _counters(self, cut: int) -> snapshot.Counters:
         s = self.d.services
@@ -192,10 +204,18 @@ class InPlace:
     def handovers(self) -> int:
         return self.d.resumed.handovers if self.d.resumed is not None else 0
 
-    def adopt(self, saved: snapshot.Snapshot) -> None:
-        """This process was exec'd by an upgrade: every replica's record and live process."""
+    def adopt(self, saved: snapshot.Snapshot, claimer: recovery.Claimer | None = None) -> None:
+        """This process was exec'd by an upgrade (or, with `claimer`, started after engined
+        died): every replica's record and live process."""
         s = self.d.services
         now = s.clock.monotonic()
+        claim: handover.Claim = handover.exec_claim
+        how = "after an upgrade of engined in place"
+        if claimer is not None:
+            self.recovered = True
+            now -= recovery.elapsed_since(saved)  # the snapshot's ages are from its writing
+            claim, how = claimer, f"after engined pid {saved.pid} died"
+            s.guard.mark(f"{saved.pid}/")
         servers = s.launcher.adopt(saved.fork_servers)
         if servers:
             log.info("[upgrade] fork server(s) %s handed over", ", ".join(map(str, servers)))
@@ -204,9 +224,13 @@ class InPlace:
             record = by_name.pop(name, None)
             if record is None:
                 continue
-            inc = handover.restore(replica, record, s.watcher, now)
+            inc = handover.restore(replica, record, s.watcher, now, claim, how)
             if inc is not None:
                 self._pending[replica] = inc
+                s.guard.mark(inc.token)
+        if claimer is not None:
+            claimer.leftovers()  # what the guard held that no replica took: killed
+            return
         for record in by_name.values():  # no longer in the spec the new code read
             if record.process is not None:
                 log.warning("[upgrade] %s (pid %d) is not in the spec any more: stopping it",
@@ -236,6 +260,14 @@ class InPlace:
                                     ("gateway", fds.gateway)) if fd is not None})
         for key, runner in self.d.runners.items():
             await runner.adopt_connections(fds.connections.get(key, []))
+        if self.recovered:
+            s.events.publish({"at": round(time.time(), 6), "engine": None, "event": "recovery",
+                              "from": saved.engined, "to": __version__, "pid": saved.pid,
+                              "handovers": self.handovers, "adopted": adopted, "late": late})
+            log.info("[recover] engined %s adopted %d engines of engined pid %d (%s)%s",
+                     __version__, len(adopted), saved.pid, saved.engined,
+                     f"; not reachable yet: {', '.join(late)}" if late else "")
+            return
         s.events.publish({"at": round(time.time(), 6), "engine": None, "event": "upgrade",
                           "from": saved.engined, "to": __version__,
                           "handovers": self.handovers, "handover_s": self.handover_s,

@@ -2,8 +2,9 @@
 
 `ChildWatcher` keeps the set of pids it watches, so the reaper (host/reaper.py) reaps only the
 others and never steals a supervised child's exit status. The status comes from wait4 with the
-child's rusage; a child reaped elsewhere (ChildProcessError: it should not happen) ends with an
-unknown status, which counts as a failure, never as a clean exit.
+child's rusage; a child reaped elsewhere (ChildProcessError: it should not happen), or a process
+that is not our child (adopted after a daemon died, supervisor.recovery), ends with an unknown
+status, which counts as a failure, never as a clean exit.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class ChildWatcher:
     def __init__(self) -> None:
         self.pids: set[int] = set()
         self.on_change: Callable[[int, bool], None] | None = None  # (pid, watched now)
+        self.pidfds: dict[int, int] = {}  # pid -> its pidfd, while watched
+        self.outputs: dict[int, int] = {}  # pid -> the read end of its output pipe
         # A fork server's engine is the daemon's child before its pid is known here: while a
         # spawn is between the two, the reaper must not reap (it would take that exit status).
         self.holds = 0
@@ -45,14 +48,23 @@ class ChildWatcher:
         if self.holds == 0 and self.on_release is not None:
             self.on_release()
 
-    def watch(self, pid: int) -> asyncio.Future[ExitRecord]:
-        """Watch `pid` from the running loop (call on the event-loop thread)."""
+    def watch(self, pid: int, output_fd: int | None = None,
+              pidfd: int | None = None) -> asyncio.Future[ExitRecord]:
+        """Watch `pid` from the running loop (call on the event-loop thread). `output_fd`: the
+        read end of its output pipe, `pidfd`: a pidfd already open for it (one handed over:
+        the proof that it is the process it was), both kept here for the guard while it
+        lives (supervisor.host.guardctl)."""
         self.pids.add(pid)
         try:
-            future = watch_exit(asyncio.get_running_loop(), pid)
+            if pidfd is None:
+                pidfd = os.pidfd_open(pid)
+            future = watch_exit(asyncio.get_running_loop(), pid, pidfd)
         except BaseException:
             self.pids.discard(pid)
             raise
+        self.pidfds[pid] = pidfd
+        if output_fd is not None:
+            self.outputs[pid] = output_fd
         future.add_done_callback(lambda _: self._gone(pid))
         if self.on_change is not None:
             self.on_change(pid, True)
@@ -60,14 +72,21 @@ class ChildWatcher:
 
     def _gone(self, pid: int) -> None:
         self.pids.discard(pid)
+        self.pidfds.pop(pid, None)
+        self.outputs.pop(pid, None)
         if self.on_change is not None:
             self.on_change(pid, False)
 
 
-def watch_exit(loop: asyncio.AbstractEventLoop, pid: int) -> asyncio.Future[ExitRecord]:
-    """A future resolved (and the zombie reaped) the moment `pid` exits, via its pidfd."""
+def watch_exit(loop: asyncio.AbstractEventLoop, pid: int,
+               pidfd: int | None = None) -> asyncio.Future[ExitRecord]:
+    """A future resolved (and the zombie reaped, if it is our child) the moment `pid` exits,
+    via its pidfd (`pidfd`, or one opened now). A process that is not our child (adopted after
+    a daemon's death) ends with an unknown status: only its parent can read it."""
     future: asyncio.Future[ExitRecord] = loop.create_future()
-    pidfd = os.pidfd_open(pid)
+    if pidfd is None:
+        pidfd = os.pidfd_open(pid)
+    os.set_inheritable(pidfd, False)
 
     def on_exit() -> None:
         try:

@@ -236,7 +236,8 @@ class ForkServerLauncher:
     async def _fork(self, config: EngineConfig, env: Mapping[str, str]) -> Child:
         if self.exec.budget is not None:
             self.exec.budget.check_spawn()
-        full = child_environment(config, env, self.exec.pythonpath, self.exec.nofile)
+        full = child_environment(config, env, self.exec.pythonpath, self.exec.nofile,
+                                 self.exec.orphan_timeout_s)
         server = await self._server(config, env, full)
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         self.watcher.hold()
@@ -247,7 +248,7 @@ class ForkServerLauncher:
                 os.close(write_fd)
             os.set_blocking(read_fd, False)
             spawned_at = time.monotonic()
-            exited = self.watcher.watch(pid)
+            exited = self.watcher.watch(pid, output_fd=read_fd)
         except BaseException:
             os.close(read_fd)
             raise
@@ -298,7 +299,8 @@ class ForkServerLauncher:
 
     async def _replace(self, config: EngineConfig, env: Mapping[str, str]) -> None:
         try:
-            full = child_environment(config, env, self.exec.pythonpath, self.exec.nofile)
+            full = child_environment(config, env, self.exec.pythonpath, self.exec.nofile,
+                                 self.exec.orphan_timeout_s)
             await self._server(config, env, full)
         except (ForkServerError, OSError):
             pass  # said by fail(); the next spawn tries again

@@ -1,6 +1,6 @@
 """The daemon's end of its guard (`python -m engined.supervisor.host.guard`, host/guard.py): it
-starts the guard, tells it every child the daemon spawns and loses, and is replaced by a new one
-if it dies."""
+starts the guard, tells it every child the daemon spawns (with the child's pidfd and output pipe)
+and loses, and is replaced by a new one if it dies."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
+from pathlib import Path
 
 from engined.supervisor.host import scratch
 from engined.supervisor.host.exits import ChildWatcher, ExitRecord
@@ -19,23 +21,30 @@ GUARD_MODULE = "engined.supervisor.host.guard"
 
 
 class GuardControl:
-    """The small process that outlives a SIGKILLed engined and kills what carries its mark.
+    """The small process that outlives engined: it keeps the engines for the next engined
+    (supervisor.orphan_timeout), or kills what carries engined's mark.
 
-    It reads a pipe from the daemon: EOF means the daemon is gone (or shutting down, having
-    stopped every engine already): it then kills every process marked `<daemon pid>/...` and
-    exits. It ignores SIGINT/SIGTERM/SIGHUP (a terminal's Ctrl-C or a unit's stop must not end
-    it first) and runs in a session of its own. Spawned like an engine (posix_spawn from the
-    event-loop thread) and watched by its pidfd; a dead guard is replaced.
+    It reads a SOCK_SEQPACKET socket from the daemon: EOF means the daemon is gone. After `.`
+    (a clean shutdown: every engine is stopped already) it kills what is left and exits; after
+    an unplanned death it holds the engines' pidfds and output pipes for `orphan_timeout` and
+    hands them to the next engined (`<runtime_dir>/orphans.sock`), or kills them. It ignores
+    SIGINT/SIGTERM/SIGHUP (a terminal's Ctrl-C or a unit's stop must not end it first) and runs
+    in a session of its own. Spawned like an engine (posix_spawn from the event-loop thread)
+    and watched by its pidfd; a dead guard is replaced.
     """
 
     RETRY_S = 5.0  # a guard that cannot be started is tried again this often
 
-    def __init__(self, watcher: ChildWatcher) -> None:
+    def __init__(self, watcher: ChildWatcher, runtime_dir: Path | None = None,
+                 orphan_timeout_s: float = 0.0) -> None:
         self.watcher = watcher
+        self.runtime_dir = runtime_dir
+        self.orphan_timeout_s = orphan_timeout_s
         self.pid: int | None = None
         self.exited: asyncio.Future[ExitRecord] | None = None
-        self._write_fd: int | None = None
+        self._channel: socket.socket | None = None
         self._closing = False
+        self.marks: set[str] = set()  # owner marks of engines adopted from an earlier engined
         watcher.on_change = self._tell
 
     def keep(self) -> None:
@@ -63,63 +72,90 @@ class GuardControl:
     def _tell(self, pid: int, alive: bool) -> None:
         """Every child is a process-group leader (setsid): the guard keeps the list, and kills
         those groups too. Some descendants cannot be found by their mark: a process that sets
-        its title (setproctitle, as vLLM's EngineCore does) overwrites its environment."""
-        if self._write_fd is None or pid == self.pid:
+        its title (setproctitle, as vLLM's EngineCore does) overwrites its environment. A new
+        child comes with its pidfd and output pipe (the guard holds them for the next engined
+        if this one dies)."""
+        if pid == self.pid:
+            return
+        if not alive:
+            self._send(f"-{pid}")
+            return
+        fds = [fd for fd in (self.watcher.pidfds.get(pid), self.watcher.outputs.get(pid))
+               if fd is not None]
+        self._send(f"+{pid}", fds)
+
+    def mark(self, prefix: str) -> None:
+        """Sweep this owner mark too (an adopted engine's, from the engined before this one)."""
+        self.marks.add(prefix)
+        self._send(f"={prefix}")
+
+    def _send(self, line: str, fds: list[int] | None = None) -> None:
+        if self._channel is None:
             return
         try:
-            os.write(self._write_fd, f"{'+' if alive else '-'}{pid}\n".encode())
+            socket.send_fds(self._channel, [line.encode()], fds or [])
         except OSError:  # a guard that died is replaced; it is told everything again then
             pass
 
     def start(self) -> int:
-        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
-        argv = [sys.executable, "-m", GUARD_MODULE, str(os.getpid()), str(scratch.root())]
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [sys.executable, "-m", GUARD_MODULE, str(os.getpid()), str(scratch.root()),
+                str(self.runtime_dir or ""), f"{self.orphan_timeout_s:g}"]
         try:
             pid = os.posix_spawn(argv[0], argv, dict(os.environ), setsid=True,
-                                 file_actions=[(os.POSIX_SPAWN_DUP2, read_fd, 0),
+                                 file_actions=[(os.POSIX_SPAWN_DUP2, theirs.fileno(), 0),
                                                (os.POSIX_SPAWN_OPEN, 1, "/dev/null",
                                                 os.O_WRONLY, 0)])
         except BaseException:
-            os.close(write_fd)
+            ours.close()
             raise
         finally:
-            os.close(read_fd)
-        self.pid, self._write_fd = pid, write_fd
+            theirs.close()
+        ours.setblocking(False)  # a stuck guard never blocks the loop (it is replaced if it dies)
+        self.pid, self._channel = pid, ours
         self.exited = self.watcher.watch(pid)
-        for child in sorted(self.watcher.pids - {pid}):
-            self._tell(child, True)
+        self._tell_all()
         return pid
+
+    def _tell_all(self) -> None:
+        for prefix in sorted(self.marks):
+            self._send(f"={prefix}")
+        for child in sorted(self.watcher.pids - {self.pid}):
+            self._tell(child, True)
 
     def alive(self) -> bool:
         return self.exited is not None and not self.exited.done()
 
     def hand_over(self) -> tuple[int | None, int | None]:
-        """An upgrade in place: the guard's pid and its pipe's write end, kept across the exec
-        (the guard sees no EOF: the same daemon goes on)."""
+        """An upgrade in place: the guard's pid and its socket, kept across the exec (the guard
+        sees no EOF: the same daemon goes on)."""
         self._closing = True  # its exit is the new code's to watch now
-        return (self.pid, self._write_fd) if self.alive() else (None, None)
+        if not self.alive() or self._channel is None:
+            return None, None
+        return self.pid, self._channel.detach()
 
-    def adopt(self, pid: int, write_fd: int) -> None:
+    def adopt(self, pid: int, fd: int) -> None:
         """The new code's side: the guard the old code started, told every child again."""
-        os.set_inheritable(write_fd, False)
+        os.set_inheritable(fd, False)
         try:
             self.exited = self.watcher.watch(pid)
         except OSError:  # gone meanwhile: a new one
-            os.close(write_fd)
+            os.close(fd)
             self.keep()
             return
-        self.pid, self._write_fd = pid, write_fd
-        for child in sorted(self.watcher.pids - {pid}):
-            self._tell(child, True)
+        self.pid, self._channel = pid, socket.socket(fileno=fd)
+        self._channel.setblocking(False)
+        self._tell_all()
         self.exited.add_done_callback(self._exited)
         log.info("[guard] pid %d (handed over) watches for engined's death", pid)
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Clean shutdown: EOF on its pipe; it finds nothing left and exits."""
+        """Clean shutdown: `.` then EOF; it finds nothing left and exits."""
         self._closing = True
-        if self._write_fd is not None:
-            os.close(self._write_fd)
-            self._write_fd = None
+        if self._channel is not None:
+            self._send(".")
+            self._channel.close()
+            self._channel = None
         if self.exited is not None and self.pid is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self.exited), timeout_s)

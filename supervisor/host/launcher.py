@@ -24,6 +24,7 @@ from engined.engine.contract import (
     CONFIG_LINE_PREFIX,
     ENV_CONFIG,
     ENV_NOFILE,
+    ENV_ORPHAN_TIMEOUT,
     ENV_OWNER,
     ENV_PARENT_PID,
 )
@@ -90,7 +91,7 @@ class Launcher(Protocol):
 
 
 def child_environment(config: EngineConfig, extra: Mapping[str, str], pythonpath: str,
-                      nofile: int | None = None) -> dict[str, str]:
+                      nofile: int | None = None, orphan_timeout_s: float = 0.0) -> dict[str, str]:
     """The child's environment: ours minus systemd plumbing, plus GPU pinning, thread bounds and
     a TMPDIR of its own (`scratch`)."""
     env = {k: v for k, v in os.environ.items() if k not in _STRIPPED_ENV}
@@ -111,6 +112,8 @@ def child_environment(config: EngineConfig, extra: Mapping[str, str], pythonpath
     env[ENV_OWNER] = owner_token(config.name, config.incarnation)
     if nofile is not None:
         env[ENV_NOFILE] = str(nofile)
+    if orphan_timeout_s > 0:
+        env[ENV_ORPHAN_TIMEOUT] = f"{orphan_timeout_s:g}"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     return env
 
@@ -203,15 +206,18 @@ def _bind_test(port: int, host: str) -> int:
 
 
 # Between posix_spawn and the server: the daemon's death kills the server (PR_SET_PDEATHSIG
-# survives exec), the descriptor limit engined started with is given back, the working directory
-# is set, then exec. A program that cannot be run at all is a configuration error (exit 78 with
-# a `[config]` line), not a crash to retry. Stdlib only, no site (-S): it costs ~20 ms.
+# survives exec; not when supervisor.orphan_timeout lets engines outlive it), the descriptor
+# limit engined started with is given back, the working directory is set, then exec. A program
+# that cannot be run at all is a configuration error (exit 78 with a `[config]` line), not a
+# crash to retry. Stdlib only, no site (-S): it costs ~20 ms.
 _EXEC_SHIM = """
 import ctypes, os, resource, signal, sys
-parent, nofile, cwd, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
-ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-if os.getppid() != parent:
-    sys.exit(1)
+parent, nofile, orphans, cwd = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+argv = sys.argv[5:]
+if orphans != "1":  # else it outlives a dead daemon: the guard ends it if none adopts it
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    if os.getppid() != parent:
+        sys.exit(1)
 if nofile > 0:
     try:
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -253,6 +259,7 @@ class ExecLauncher:
         self.budget = budget
         self.nofile = nofile
         self.ports = PortPicker()
+        self.orphan_timeout_s = 0.0  # supervisor.orphan_timeout: engines outlive our death
 
     async def start(self, spec: EngineSpec, config: EngineConfig) -> Child:
         if spec.is_command:
@@ -270,14 +277,16 @@ class ExecLauncher:
             self.budget.check_spawn()
         python = config.python or self.python
         return self._spawn(python, [python, "-m", ENGINE_MODULE],
-                           child_environment(config, env, self.pythonpath, self.nofile))
+                           child_environment(config, env, self.pythonpath, self.nofile,
+                                             self.orphan_timeout_s))
 
     def spawn_command(self, spec: EngineSpec, incarnation: int, port: int | None) -> Child:
         """Start a command engine (a server engined did not write) through the exec shim."""
         if self.budget is not None:
             self.budget.check_spawn()
         argv = [sys.executable, "-S", "-c", _EXEC_SHIM, str(os.getpid()), str(self.nofile or 0),
-                spec.cwd or "", *command_argv(spec, port)]
+                "1" if self.orphan_timeout_s > 0 else "0", spec.cwd or "",
+                *command_argv(spec, port)]
         return self._spawn(sys.executable, argv, command_environment(spec, incarnation, port))
 
     def _spawn(self, program: str, argv: list[str], env: dict[str, str]) -> Child:
@@ -296,7 +305,7 @@ class ExecLauncher:
             os.close(write_fd)
         os.set_blocking(read_fd, False)
         try:
-            exited = self.watcher.watch(pid)
+            exited = self.watcher.watch(pid, output_fd=read_fd)
         except BaseException:
             _kill_and_reap(pid)
             os.close(read_fd)

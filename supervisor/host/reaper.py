@@ -10,11 +10,12 @@ parent keep the GPUs). engined therefore
 * finds what an incarnation left behind by the mark every process it started inherits
   (ENGINED_OWNER=<daemon pid>/<engine>/<incarnation>, in /proc/PID/environ) and kills it before
   the replacement spawns, and removes its TMPDIR (`scratch`: the files it left there);
-* runs a guard (`engined.supervisor.host.guard`) that outlives a SIGKILLed daemon and kills whatever
-  carries the daemon's mark (PR_SET_PDEATHSIG covers only the direct children).
+* runs a guard (`engined.supervisor.host.guard`) that outlives a SIGKILLed daemon: it keeps the
+  engines for the next engined (supervisor.orphan_timeout), then kills their process groups and
+  whatever carries the daemon's mark.
 
-A descendant that rewrites its own environment escapes the mark; under systemd the unit's cgroup
-still ends it (KillMode=mixed), see the README.
+A descendant that rewrites its own environment and leaves its engine's process group escapes
+both, see the README.
 """
 
 from __future__ import annotations

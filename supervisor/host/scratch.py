@@ -99,9 +99,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale() -> list[Path]:
+def sweep_stale(keep: set[int] = frozenset()) -> list[Path]:  # type: ignore[assignment]
     """Remove the roots of daemons of ours that are gone (one that is alive, or a pid reused
-    since, is left alone); the roots removed."""
+    since, is left alone, and so are those of `keep`: daemons whose engines were adopted); the
+    roots removed."""
     removed: list[Path] = []
     base = Path(tempfile.gettempdir())
     uid = os.getuid()
@@ -116,7 +117,7 @@ def sweep_stale() -> list[Path]:
                 continue
         except OSError:
             continue
-        if int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if int(pid) != os.getpid() and int(pid) not in keep and not _pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     if removed:

@@ -257,6 +257,10 @@ KEYS: tuple[Key, ...] = (
     Key("log_backups", _SUP, _int_in(0, 100), "log_backups",
         "rotated files kept per engine (NAME.log.1 ... .N); 0: start the file again",
         Shown("log_rotation", "{} backup(s) per engine")),
+    Key("orphan_timeout", _SUP, _SECONDS, "orphan_timeout_s",
+        "after engined dies unplanned (SIGKILL, crash, OOM kill), its engines keep running this "
+        "long for the next engined on the same runtime_dir to adopt, then exit; 0: they die "
+        "with engined", Shown("orphan_timeout", fmt=_fmt_duration)),
     # an engine's own (the header of its --check rows shows them)
     Key("name", _ENG, _engine_name, "group",
         "the engine's name; its replicas are NAME-0, NAME-1, ...", default=REQUIRED),

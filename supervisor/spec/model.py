@@ -158,6 +158,8 @@ class SupervisorSpec:
     launcher: str = "forkserver"  # every engine's, unless it sets its own
     log_max_bytes: int = 10 * 1024 * 1024  # each engine's log file is rotated past this
     log_backups: int = 3  # rotated files kept (NAME.log.1 ... .N); 0: start the file again
+    # engines outlive a dead engined this long, for the next one to adopt; 0: they die with it
+    orphan_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)

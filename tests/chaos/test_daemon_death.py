@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 
+import pytest
 import yaml
 from driver import PYTHON, REPO_ROOT, _clean_env, wait_engines_gone
 
@@ -24,10 +25,11 @@ LOAD_S = 3.0  # the loading engine's "model load": long enough to be caught STAR
 TOKEN_MS = 100  # the slow engine's per-token time: a 200-token request takes 20 s
 
 
-def _assert_fleet_gone(daemon_pid: int, pids: set[int]) -> None:
-    """Within 5 s: not one engine process of that daemon remains (by pid, and by environment)."""
-    deadline = time.monotonic() + NO_ORPHANS_WITHIN_S
-    assert wait_engines_gone(pids, daemon_pid, NO_ORPHANS_WITHIN_S) == []
+def _assert_fleet_gone(daemon_pid: int, pids: set[int], orphan_s: float = 0.0) -> None:
+    """Within 5 s (after `orphan_s`, the orphan_timeout): not one engine process of that daemon
+    remains (by pid, and by environment)."""
+    deadline = time.monotonic() + NO_ORPHANS_WITHIN_S + orphan_s
+    assert wait_engines_gone(pids, daemon_pid, NO_ORPHANS_WITHIN_S + orphan_s) == []
     while (left := fleet_processes(daemon_pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert left == [], f"engines of the SIGKILLed daemon {daemon_pid} remain: {left}"
@@ -39,7 +41,7 @@ def test_sigkill_mid_restart_and_mid_request_then_a_new_daemon_takes_over(engine
                  {"name": "slow", "replicas": 1, "model": "builtin:echo",
                   "env": {"ENGINED_ECHO_TOKEN_MS": str(TOKEN_MS)}},
                  {"name": "echo", "replicas": 2, "model": "builtin:echo"}],
-                ready=False)
+                ready=False, supervisor={"orphan_timeout": "0s"})
     d.wait_all_ready(30)
     # Mid-request: a 20 s generation running on slow-0.
     gen = d.ctl_popen("generate", "--engine", "slow-0", "--max-tokens", "200", "y" * 200,
@@ -74,8 +76,10 @@ def test_sigkill_mid_restart_and_mid_request_then_a_new_daemon_takes_over(engine
     d.start()
     fresh = d.wait_all_ready(30)
     assert set(fresh) == {"load-0", "slow-0", "echo-0", "echo-1"}
-    for e in fresh.values():
-        assert e["pid"] not in pids and e["incarnation"] == 1 and e["restarts"] == 0, e
+    for e in fresh.values():  # new processes; the history goes on (the state snapshot)
+        assert e["pid"] not in pids and e["adopted_at"] is None, e
+        assert e["restarts"] == (1 if e["name"] == "load-0" else 0), e  # its manual restart
+        assert e["incarnation"] == (3 if e["name"] == "load-0" else 2), e
     assert d.status()["supervisor"]["pid"] == d.pid
     assert d.ctl("generate", "--engine", "slow-0", "--max-tokens", "3", "back").stdout.strip() \
         == "bac"
@@ -83,7 +87,8 @@ def test_sigkill_mid_restart_and_mid_request_then_a_new_daemon_takes_over(engine
 
 def test_sigkill_during_a_slow_graceful_shutdown_leaves_no_engine(engined):
     d = engined([{"name": "echo", "replicas": 2, "model": "builtin:echo"}],
-                defaults={"stop_timeout": "30s", "stall_timeout": "60s"})
+                defaults={"stop_timeout": "30s", "stall_timeout": "60s"},
+                supervisor={"orphan_timeout": "0s"})
     # echo-0 ignores its SIGTERM (its busy loop is wedged): the graceful stop would take 30 s.
     gen = d.ctl_popen("generate", "--engine", "echo-0", "!stall", stdout=subprocess.PIPE,
                       stderr=subprocess.PIPE)
@@ -108,13 +113,17 @@ def test_sigkill_during_a_slow_graceful_shutdown_leaves_no_engine(engined):
     d.wait_all_ready()
 
 
-def test_sigkill_moments_after_start_leaves_no_engine(short_tmp, rng: random.Random):
+@pytest.mark.parametrize("orphan_s", [0, 1])
+def test_sigkill_moments_after_start_leaves_no_engine(short_tmp, rng: random.Random, orphan_s):
     """Killed while it is still spawning: a child that started its interpreter after the daemon
-    died must notice (PR_SET_PDEATHSIG plus the getppid() check) and exit. The moments are drawn
-    from `rng` (its seed is printed; ENGINED_TEST_SEED replays them)."""
+    died must notice (PR_SET_PDEATHSIG plus the getppid() check) and exit; with an
+    orphan_timeout, the guard ends what it held and what carries the daemon's mark once that
+    has passed. The moments are drawn from `rng` (its seed is printed; ENGINED_TEST_SEED
+    replays them)."""
     spec = {"version": 1,
             "supervisor": {"http": "off", "runtime_dir": str(short_tmp / "rt"),
-                           "heartbeat_interval": "0.2s", "heartbeat_timeout": "1.5s"},
+                           "heartbeat_interval": "0.2s", "heartbeat_timeout": "1.5s",
+                           "orphan_timeout": f"{orphan_s}s"},
             "engines": [{"name": "echo", "replicas": 6, "model": "builtin:echo"}]}
     path = short_tmp / "fleet.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -132,7 +141,7 @@ def test_sigkill_moments_after_start_leaves_no_engine(short_tmp, rng: random.Ran
         time.sleep(rng.uniform(0.0, 0.3) if attempt % 2 == 0 else rng.uniform(0.0, 0.02))
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=10) == -signal.SIGKILL
-        _assert_fleet_gone(proc.pid, set())
+        _assert_fleet_gone(proc.pid, set(), orphan_s)
 
     # The last one's lock and sockets are stale: a daemon starts on that directory cleanly.
     final = subprocess.Popen([PYTHON, "-m", "engined.supervisor.daemon", "-c", str(path)],

@@ -167,8 +167,10 @@ def test_a_grandchild_that_left_the_group_dies_with_its_engine(engined, short_tm
     assert not process_gone(new_orphan)
 
 
-def test_after_a_daemon_sigkill_no_process_of_the_tree_survives(engined, short_tmp):
-    d = engined([server("web", "--orphan", "--pidfile-dir", str(short_tmp))])
+@pytest.mark.parametrize("orphan_s", [0, 1])
+def test_after_a_daemon_sigkill_no_process_of_the_tree_survives(engined, short_tmp, orphan_s):
+    d = engined([server("web", "--orphan", "--pidfile-dir", str(short_tmp))],
+                supervisor={"orphan_timeout": f"{orphan_s}s"})
     pids = [d.engine("web-0")["pid"], read_pid(short_tmp, "orphan", d),
             read_pid(short_tmp, "core", d)]
     # the core overwrote its environment (as a process title does): only its group tells
@@ -176,7 +178,7 @@ def test_after_a_daemon_sigkill_no_process_of_the_tree_survives(engined, short_t
     d.expect_unclean_exit = True
     d.signal(signal.SIGKILL)
     d.wait_exit()
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 5.0 + orphan_s
     while time.monotonic() < deadline and not all(process_gone(p) for p in pids):
         time.sleep(0.05)
     assert all(process_gone(p) for p in pids), [p for p in pids if not process_gone(p)]

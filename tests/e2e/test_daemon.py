@@ -77,7 +77,9 @@ def test_second_sigterm_kills_a_slow_stop_at_once(engined):
 
 
 def test_sigkill_of_the_daemon_leaves_no_engine_behind(engined):
-    d = engined([ECHO2])
+    """With `orphan_timeout: 0` engines die with engined (tests/e2e/test_recovery.py: adopted
+    by the next one otherwise)."""
+    d = engined([ECHO2], supervisor={"orphan_timeout": "0s"})
     pids = {e["pid"] for e in d.engines().values()}
     d.expect_unclean_exit = True
     d.signal(signal.SIGKILL)

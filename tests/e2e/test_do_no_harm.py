@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+import pytest
 from driver import ORPHAN_GRACE_S, free_port
 
 HEARTBEAT_TIMEOUT_S = 1.5  # the fixture's
@@ -180,8 +181,10 @@ def test_an_engines_descendants_die_with_it_before_its_replacement(engined):
     assert d.engine("echo-0")["restarts"] == 0
 
 
-def test_an_engines_descendants_die_after_a_daemon_sigkill(engined):
-    d = engined([LEAKY])
+@pytest.mark.parametrize("orphan_s", [0, 1])
+def test_an_engines_descendants_die_after_a_daemon_sigkill(engined, orphan_s):
+    """At once (orphan_timeout 0), or once orphan_timeout has passed with no engined back."""
+    d = engined([LEAKY], supervisor={"orphan_timeout": f"{orphan_s}s"})
     engine = d.engine("leaky-0")["pid"]
     kids = _descendants(d, "leaky-0", 1)
     guard = [p.pid for p in psutil.Process(d.pid).children()
@@ -191,7 +194,8 @@ def test_an_engines_descendants_die_after_a_daemon_sigkill(engined):
     d.signal(signal.SIGKILL)
     d.wait_exit()
     for pid in (engine, *kids, guard[0]):
-        d.wait_for(lambda pid=pid: not _running(pid), 5.0, f"pid {pid} gone after the daemon")
+        d.wait_for(lambda pid=pid: not _running(pid), 5.0 + orphan_s,
+                   f"pid {pid} gone after the daemon")
 
 
 def _running(pid: int) -> bool:

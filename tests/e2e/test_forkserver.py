@@ -100,15 +100,16 @@ def test_an_unsafe_fork_server_is_refused_and_engines_start_by_exec(engined):
     assert "hello" in generate(d, "echo-0")
 
 
-def test_after_a_daemon_sigkill_no_fork_server_engine_or_standby_survives(engined):
-    d = engined([dict(ECHO, standby=1)])
+@pytest.mark.parametrize("orphan_s", [0, 1])
+def test_after_a_daemon_sigkill_no_fork_server_engine_or_standby_survives(engined, orphan_s):
+    d = engined([dict(ECHO, standby=1)], supervisor={"orphan_timeout": f"{orphan_s}s"})
     assert d.engine("echo-standby-0")["role"] == "standby"
     server = ready_server(d)
     pids = {e["pid"] for e in d.engines().values()} | {server["pid"]}
     d.expect_unclean_exit = True
     d.signal(signal.SIGKILL)
     d.wait_exit()
-    d.wait_for(lambda: all(process_gone(p) for p in pids), 20,
+    d.wait_for(lambda: all(process_gone(p) for p in pids), 20 + orphan_s,
                "the fork server and every engine gone")
 
 

@@ -12,6 +12,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
 from driver import PYTHON
 
 # A command engine that reports its temporary directory and leaves a unix socket in it
@@ -83,8 +84,9 @@ def test_each_incarnation_has_its_own_tmpdir_removed_when_it_is_gone(engined, sh
     assert sorted(p.name for p in tmp.iterdir()) == []
 
 
+@pytest.mark.parametrize("orphan_s", [0, 1])
 def test_the_guard_removes_a_killed_daemons_root_and_a_new_daemon_sweeps_stale_ones(
-        engined, short_tmp):
+        engined, short_tmp, orphan_s):
     tmp = short_tmp / "t"
     stale = tmp / f"engined-scratch-{_dead_pid()}" / "echo-0.3"
     live = tmp / f"engined-scratch-{os.getpid()}"  # a daemon that is alive: this test, say
@@ -93,7 +95,7 @@ def test_the_guard_removes_a_killed_daemons_root_and_a_new_daemon_sweeps_stale_o
         path.mkdir(parents=True)
     (stale / "vllm_dist_0").write_text("")
     d = engined([{"name": "echo", "model": "builtin:echo", "env": {"ENGINED_ECHO_TEMPFILE": "1"}}],
-                env={"TMPDIR": str(tmp)})
+                env={"TMPDIR": str(tmp)}, supervisor={"orphan_timeout": f"{orphan_s}s"})
     assert not stale.parent.exists()
     assert live.exists() and odd.exists()
     root = tmp / f"engined-scratch-{d.pid}"
@@ -102,7 +104,7 @@ def test_the_guard_removes_a_killed_daemons_root_and_a_new_daemon_sweeps_stale_o
     d.expect_unclean_exit = True
     d.signal(signal.SIGKILL)
     d.wait_exit()
-    d.wait_for(lambda: not root.exists(), 10, f"the guard to remove {root}")
+    d.wait_for(lambda: not root.exists(), 10 + orphan_s, f"the guard to remove {root}")
 
 
 def test_a_spawn_that_fails_leaves_no_directory(engined, short_tmp):

@@ -173,7 +173,8 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), (
         done.stdout + done.stderr)
-    for line in ("Type=notify", "KillMode=mixed", "RestartPreventExitStatus=78",
+    for line in ("Type=notify", "KillMode=process", "RestartPreventExitStatus=78",
+                 "ExecStopPost=", "--stop-orphans",
                  "ExecReload=/bin/kill -HUP $MAINPID", "NotifyAccess=main", "WatchdogSec=",
                  "RuntimeDirectory=engined", "LogsDirectory=engined", "LimitNOFILE="):
         assert line in unit, line

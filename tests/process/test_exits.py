@@ -34,5 +34,6 @@ def test_a_child_reaped_elsewhere_is_an_unknown_exit_not_a_clean_one():
         assert os.waitpid(pid, 0)[0] == pid  # someone else takes its status first
         record = await asyncio.wait_for(future, 30)
         assert record.status is ExitStatus.UNKNOWN and not record.status.clean
-        assert record.status.describe() == "exit status unknown (reaped elsewhere)"
+        assert record.status.describe() == \
+            "exit status unknown (not engined's child: adopted, or reaped elsewhere)"
     asyncio.run(main())

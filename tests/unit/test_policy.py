@@ -47,7 +47,8 @@ def test_exit_reason(status, killed_for, reason):
     (ExitStatus(signal=11), "SIGSEGV", "killed by SIGSEGV"),
     (ExitStatus(code=78), None, "exit 78 (invalid engine config or model)"),
     (ExitStatus(code=3), None, "exit 3"),
-    (ExitStatus.UNKNOWN, None, "exit status unknown (reaped elsewhere)"),
+    (ExitStatus.UNKNOWN, None,
+     "exit status unknown (not engined's child: adopted, or reaped elsewhere)"),
 ])
 def test_exit_description(status, name, text):
     assert status.signal_name == name

@@ -1,0 +1,224 @@
+"""After engined dies unplanned (SIGKILL), its engines keep running for `orphan_timeout` and the
+next engined started on the same runtime directory adopts them: the same processes, READY
+again, nothing restarted, FAILED and stopped engines still so, counts and history continued. An
+engine that died meanwhile is said once and restarted; with no new engined, nothing outlives
+`orphan_timeout`; a snapshot that cannot be used starts the fleet fresh, killing what the guard
+proves was engined's."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import time
+
+import psutil
+from driver import PYTHON, REPO_ROOT, _clean_env, free_port, process_gone
+from handover_helpers import FLEET, Clients, identity, metric
+
+
+def _kill_daemon(d) -> set[int]:
+    """SIGKILL the daemon; the pids of everything it had started (engines' descendants too)."""
+    pids = d.spawned_pids()
+    tree = set(pids)
+    for pid in pids:
+        try:
+            tree |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+    d.expect_unclean_exit = True
+    d.signal(signal.SIGKILL)
+    assert d.wait_exit(timeout_s=10) == -signal.SIGKILL
+    return tree
+
+
+def _cleanup(pids: set[int]) -> None:
+    for pid in pids:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_a_new_engined_adopts_every_engine_after_a_sigkill(engined):
+    gateway, http = free_port(), free_port()
+    d = engined(FLEET, ready=False, supervisor={"gateway": f"127.0.0.1:{gateway}",
+                                                "http": f"127.0.0.1:{http}",
+                                                "orphan_timeout": "60s"})
+    d.wait_state("bad-0", "FAILED", timeout_s=30)
+    for name in ("echo-0", "echo-1", "echo-standby-0", "ex-0", "web-0"):
+        d.wait_state(name, "READY", timeout_s=30)
+    d.ctl("stop", "ex-0")
+    d.wait_state("ex-0", "STOPPED")
+    before = identity(d)
+    bad = d.engine("bad-0")
+    with Clients(gateway, threads=4) as clients:
+        d.wait_for(lambda: clients.ok >= 8, 30, "requests flowing")
+    assert clients.errors == [], clients.errors[:5]
+    served = metric(http, 'engined_gateway_requests_total{model="echo",outcome="ok"}')
+
+    def saved_count() -> float:  # the snapshot on disk is kept current (at least every second)
+        try:
+            saved = json.loads((d.runtime_dir / "state.json").read_text())
+        except (OSError, ValueError):
+            return -1
+        return sum(n for m, o, n in saved["counters"]["gateway_requests"]
+                   if (m, o) == ("echo", "ok"))
+
+    d.wait_for(lambda: saved_count() == served, 10, "the snapshot to have every request")
+    events_before = d.ctl("events", "-n", "1000").stdout.splitlines()
+    old_pid = d.pid
+    tree = _kill_daemon(d)
+    try:
+        time.sleep(1.0)  # the engines outlive their daemon
+        assert all(psutil.Process(p).is_running() for p, *_ in before.values()), before
+        d.expect_unclean_exit = False
+        started = time.monotonic()
+        d.start()
+        d.wait_for(lambda: all(d.engine(n)["state"] == "READY" for n in before), 30,
+                   "every adopted engine READY")
+        print(f"adopted and READY {time.monotonic() - started:.2f}s after the new engined "
+              f"started")
+        assert identity(d) == before  # same processes, same start times, counts unchanged
+        engines = d.engines()
+        for name in before:
+            assert engines[name]["adopted_at"], engines[name]
+        assert engines["ex-0"]["state"] == "STOPPED" and engines["ex-0"]["pid"] is None
+        assert engines["bad-0"]["state"] == "FAILED", engines["bad-0"]
+        for key in ("restarts_by_reason", "last_exit", "fail_reason", "incarnation"):
+            assert engines["bad-0"][key] == bad[key], (key, engines["bad-0"], bad)
+        sup = d.status()["supervisor"]
+        assert sup["handovers"] == 1 and sup["recovered_from"] == old_pid, sup
+        # served through the new daemon by the adopted engines; the counters went on
+        with Clients(gateway, threads=4) as clients:
+            d.wait_for(lambda: clients.ok >= 8, 30, "requests after the adoption")
+        assert clients.errors == [], clients.errors[:5]
+        assert metric(http, 'engined_gateway_requests_total{model="echo",outcome="ok"}') \
+            >= served + 8
+        assert metric(http, "engined_handovers_total") == 1
+        events = d.ctl("events", "-n", "1000").stdout.splitlines()
+        assert events[:len(events_before)] == events_before
+        recovery = [json.loads(e) for e in events if '"recovery"' in e]
+        assert len(recovery) == 1 and recovery[0]["pid"] == old_pid, recovery
+        assert recovery[0]["adopted"] == sorted(before), recovery
+        # still supervised: a kill is a restart as ever
+        victim = engines["echo-0"]["pid"]
+        psutil.Process(victim).kill()
+        now = d.wait_restarted("echo-0", victim)
+        assert now["restarts"] == before["echo-0"][3] + 1, now
+        assert "exited while no engined" not in d.log_text("echo-0")
+        # a clean stop stops the adopted engines too, and leaves nothing
+        assert d.stop() == 0
+        gone = [p for p in tree if not process_gone(p)]
+        deadline = time.monotonic() + 10
+        while gone and time.monotonic() < deadline:
+            time.sleep(0.05)
+            gone = [p for p in gone if not process_gone(p)]
+        assert gone == [], gone
+        assert not (d.runtime_dir / "state.json").exists()
+    finally:
+        _cleanup(tree)
+
+
+def test_an_engine_that_died_unwatched_is_said_once_and_restarted(engined):
+    d = engined([FLEET[1], {**FLEET[1], "name": "other"}],
+                supervisor={"orphan_timeout": "60s"})
+    before = identity(d)
+    tree = _kill_daemon(d)
+    try:
+        victim = before["ex-0"][0]
+        psutil.Process(victim).kill()
+        d.expect_unclean_exit = False
+        d.start()
+        now = d.wait_restarted("ex-0", victim)
+        assert now["restarts"] == before["ex-0"][3] + 1, now
+        assert now["last_exit"]["reason"] == "exit", now["last_exit"]  # its status is lost
+        assert now["last_exit"]["code"] is None and now["last_exit"]["signal"] is None
+        assert d.log_text("ex-0").count("exited while no engined was watching") == 1
+        d.wait_state("other-0", "READY")
+        assert identity(d)["other-0"] == before["other-0"]
+    finally:
+        d.stop()
+        _cleanup(tree)
+
+
+def test_with_no_new_engined_nothing_outlives_orphan_timeout(engined):
+    d = engined(FLEET[:3], ready=False, supervisor={"orphan_timeout": "2s"})
+    for name in ("echo-0", "echo-1", "ex-0", "web-0"):
+        d.wait_state(name, "READY", timeout_s=30)
+    tree = _kill_daemon(d)
+    try:
+        assert any(not process_gone(p) for p in tree)  # kept for a while
+        deadline = time.monotonic() + 2 + 5
+        alive = sorted(p for p in tree if not process_gone(p))
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = sorted(p for p in alive if not process_gone(p))
+        assert alive == [], alive
+        assert not (d.runtime_dir / "orphans.sock").exists()
+    finally:
+        _cleanup(tree)
+
+
+def test_a_corrupt_snapshot_starts_fresh_and_kills_what_the_guard_proves_ours(engined):
+    d = engined([FLEET[1]], supervisor={"orphan_timeout": "60s"})
+    old = d.engine("ex-0")["pid"]
+    tree = _kill_daemon(d)
+    try:
+        (d.runtime_dir / "state.json").write_bytes(b'{"format": 1, "replicas": [')
+        d.expect_unclean_exit = False
+        d.start()
+        fresh = d.wait_all_ready()
+        assert fresh["ex-0"]["pid"] != old and fresh["ex-0"]["adopted_at"] is None
+        assert "cannot be used" in d.stderr_text() and "starting fresh" in d.stderr_text()
+        d.wait_for(lambda: process_gone(old), 10, "the unadoptable engine killed")
+        assert d.status()["supervisor"]["handovers"] == 0
+    finally:
+        d.stop()
+        _cleanup(tree)
+
+
+def _unit_stop_post(d, result: str) -> subprocess.CompletedProcess[str]:
+    """The shipped unit's ExecStopPost=, run as systemd runs it after the main process ended
+    (with SERVICE_RESULT), pointed at this daemon's spec and this checkout's engined."""
+    unit = (REPO_ROOT / "systemd" / "engined.service").read_text()
+    (line,) = [x for x in unit.splitlines() if x.startswith("ExecStopPost=")]
+    command = line.removeprefix("ExecStopPost=") \
+        .replace("/opt/engined/bin/engined", f"{PYTHON} -m engined.supervisor.daemon") \
+        .replace("/etc/engined/fleet.yaml", str(d.spec_path))
+    return subprocess.run(shlex.split(command), cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**_clean_env(), "SERVICE_RESULT": result}, timeout=60)
+
+
+def test_under_the_unit_a_crash_is_adopted_and_a_stop_leaves_nothing(engined):
+    """What systemd does with the shipped unit (KillMode=process: engined alone is signalled):
+    after a crash (SERVICE_RESULT=signal) ExecStopPost leaves the engines to the restarted
+    engined; after a stop whose engined had to be SIGKILLed (SERVICE_RESULT=timeout) it stops
+    them at once."""
+    d = engined(FLEET[:3], ready=False, supervisor={"orphan_timeout": "60s"})
+    for name in ("echo-0", "echo-1", "ex-0", "web-0"):
+        d.wait_state(name, "READY", timeout_s=30)
+    before = identity(d)
+    tree = _kill_daemon(d)
+    try:
+        crashed = _unit_stop_post(d, "signal")
+        assert crashed.returncode == 0 and crashed.stdout == "", crashed
+        d.expect_unclean_exit = False
+        d.start()  # Restart=on-failure
+        d.wait_for(lambda: all(d.engine(n)["state"] == "READY" for n in before), 30,
+                   "the restarted engined to adopt every engine")
+        assert identity(d) == before
+        tree |= _kill_daemon(d)  # killed again, now by TimeoutStopSec's SIGKILL in a stop
+        stopped = _unit_stop_post(d, "timeout")
+        assert stopped.returncode == 0 and "were stopped" in stopped.stdout, stopped
+        alive = sorted(p for p in tree if not process_gone(p))
+        deadline = time.monotonic() + 10
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+            alive = [p for p in alive if not process_gone(p)]
+        assert alive == [], alive
+        clean = _unit_stop_post(d, "success")  # nothing was waiting: said, nothing done
+        assert clean.returncode == 0 and "no engines are waiting" in clean.stdout, clean
+    finally:
+        _cleanup(tree)
