@@ -1,4 +1,5 @@
-"""Putting new engined code in place under load: `enginectl upgrade` against a daemon restart.
+"""Putting new engined code in place under load: `enginectl upgrade` against a daemon restart,
+and a daemon SIGKILLed then started again (it adopts the engines).
 
     python -m bench.upgrade [--quick] [--rounds N] [--clients K] [--out FILE] [--cache-dir DIR]
                                      # default bench/results/upgrade.md,
@@ -7,12 +8,14 @@
 One fleet (2 replicas of `builtin:tiny-llama`, transformers, `supervisor.launcher: forkserver`,
 the gateway and the HTTP endpoint on free loopback ports) serves K client threads that loop
 `/v1/completions` through the gateway (alternately streamed and not, max_tokens 16, greedy), while
-the code under them is replaced, in two ways that alternate round by round (A, B, A, B, ...):
+the daemon under them is replaced, in three ways that alternate round by round (A, B, C, A, ...):
 
 - A, in place: `POST /v1/upgrade` on the control socket (what `enginectl upgrade` sends; it then
   polls status, as the bench does): the same pid re-executes engined and adopts the engines;
 - B, the old way (`systemctl restart`): SIGTERM to the daemon (it drains the gateway and stops
-  every engine), then a new daemon on the same spec file, runtime directory and ports.
+  every engine), then a new daemon on the same spec file, runtime directory and ports;
+- C, a crash: SIGKILL to the daemon, then a new daemon as in B (what systemd's Restart= does):
+  the engines outlived it (`supervisor.orphan_timeout`) and the new daemon adopts them.
 
 Each round: the clients warm up, the trigger, the load goes on until the fleet has served every
 client again and then a few seconds more. Reported per scenario (median and min–max over the
@@ -71,8 +74,8 @@ MAX_TOKENS = 16
 RETRY_S = 0.05  # a client waits this long after a failed request before its next one
 REQUEST_TIMEOUT_S = 120.0  # the clients' socket timeout (a bound, far above any request here)
 POLL_S = 0.05  # the bench's status poll while an event runs
-A, B = "A", "B"
-LABELS = {A: "A: upgrade in place", B: "B: SIGTERM + new daemon"}
+A, B, C = "A", "B", "C"
+LABELS = {A: "A: upgrade in place", B: "B: SIGTERM + new daemon", C: "C: SIGKILL + new daemon"}
 STOP_TIMEOUT = "10s"  # the spec's stop_timeout (bench.common's): bounds both drains
 
 
@@ -369,12 +372,32 @@ def restart_daemon(d: Fleet) -> tuple[float, float, dict[str, float | None]]:
         "startup_s": med([e["startup_s"] for e in engines])}
 
 
+def crash_daemon(d: Fleet) -> tuple[float, float, dict[str, float | None]]:
+    """C: SIGKILL, then a new daemon on the same spec at once (until every engine is READY):
+    it adopts the engines the dead one left."""
+    d.status_conn.close()
+    d.expect_unclean_exit = True
+    trigger = time.time()
+    d.signal(signal.SIGKILL)
+    d.wait_exit(30)
+    exited = time.time()
+    d.expect_unclean_exit = False
+    d.start()
+    done = time.time()
+    status = d.status()
+    return trigger, done, {
+        "exited_at": exited, "adopted": sum(1 for e in status["engines"]
+                                            if (e["adopted_at"] or 0) >= trigger),
+        "ready_s": done - exited}
+
+
 def run_round(d: Fleet, scenario: str, index: int, clients: int, warmup_s: float,
               settle_s: float) -> Round:
     d.wait_all_ready(60)
     time.sleep(1.0)  # the previous round's tail (its last restarts' warm-up) out of the way
     daemon_before, (before, servers_before) = d.pid, d.identity()
-    event = (lambda: upgrade_in_place(d)) if scenario == A else (lambda: restart_daemon(d))
+    event = {A: lambda: upgrade_in_place(d), B: lambda: restart_daemon(d),
+             C: lambda: crash_daemon(d)}[scenario]
     trigger, done, stopped, reqs, facts = load_round(d, clients, warmup_s, settle_s, event)
     after, servers_after = d.identity()
     rnd = Round(scenario, index, trigger, done, stopped, reqs, daemon_before, d.pid, before,
@@ -386,6 +409,9 @@ def run_round(d: Fleet, scenario: str, index: int, clients: int, warmup_s: float
     else:
         rnd.facts["daemon_kept"] = float(d.pid == daemon_before)
         rnd.facts["gap_s"] = rnd.first_ok(sent_after=rnd.facts.pop("exited_at"))
+    if scenario == C:  # restarts since the round began: the new daemon continues the count
+        rnd.facts["restarts"] = float(sum(rnd.after[n][3] - e[3] for n, e in before.items()
+                                          if n in rnd.after))
     failed = rnd.failed()
     print(f"({LABELS[scenario]}, round {index + 1}: {len(rnd.window)} requests in the window, "
           f"{len(failed)} failed; gap {num(rnd.facts['gap_s'], 3, 's')}; engines kept "
@@ -406,15 +432,16 @@ def cells(values: Iterable[float | None] | None, digits: int, unit: str) -> str:
 
 def report_rows(r: Report, rounds: dict[str, list[Round]],
                 rows: list[tuple[str, Any, int, str]]) -> None:
-    """One row per (label, f(round) or None per scenario, digits, unit)."""
-    r(*table("measure", f"{LABELS[A]}: median", "min–max", f"{LABELS[B]}: median", "min–max",
-             "rounds (A/B)"))
+    """One row per (label, f(round) for every scenario or a tuple of one per scenario, A B C,
+    None where a scenario does not have it, digits, unit)."""
+    head = [h for key in LABELS for h in (f"{LABELS[key]}: median", "min–max")]
+    r(*table("measure", *head, f"rounds ({'/'.join(LABELS)})"))
     for label, f, digits, unit in rows:
-        fa, fb = f if isinstance(f, tuple) else (f, f)
-        a = None if fa is None else [fa(x) for x in rounds[A]]
-        b = None if fb is None else [fb(x) for x in rounds[B]]
-        r(f"| {label} | {cells(a, digits, unit)} | {cells(b, digits, unit)} | "
-          f"{len(rounds[A])}/{len(rounds[B])} |")
+        fs = f if isinstance(f, tuple) else (f,) * len(LABELS)
+        values = [cells(None if fk is None else [fk(x) for x in rounds[key]], digits, unit)
+                  for key, fk in zip(LABELS, fs)]
+        r(f"| {label} | {' | '.join(values)} | "
+          f"{'/'.join(str(len(rounds[key])) for key in LABELS)} |")
     r("")
 
 
@@ -436,10 +463,10 @@ REQUEST_ROWS = [
     ("ok answers/s in the window", lambda x: x.rate(), 1, "/s"),
 ]
 STALL_ROWS = [
-    ("the gap (A: `handover_s`; B: SIGTERM → first ok answer from the new daemon)",
+    ("the gap (A: `handover_s`; B, C: the signal → first ok answer from the new daemon)",
      fact("gap_s"), 3, "s"),
-    ("trigger → event done (A: status shows the hand-over; B: new daemon, every engine READY)",
-     lambda x: x.done - x.trigger, 3, "s"),
+    ("trigger → event done (A: status shows the hand-over; B, C: new daemon, every engine "
+     "READY)", lambda x: x.done - x.trigger, 3, "s"),
     ("trigger → first ok answer (any request)", lambda x: x.first_ok(), 3, "s"),
     ("trigger → first ok answer to a request sent after the trigger",
      lambda x: x.first_ok(sent_after=x.trigger), 3, "s"),
@@ -453,22 +480,26 @@ FLEET_ROWS = [
     ("engines kept (same pid and start time)", lambda x: x.engines_kept, 0, f"of {REPLICAS}"),
     ("fork servers kept (same pid)", lambda x: len(x.servers_before & x.servers_after), 0, ""),
     ("engine restarts the daemon counted in the round (B: a new daemon counts from 0)",
-     lambda x: x.restarts, 0, ""),
-    ("POST /v1/upgrade → 202 (the new code's check)", (fact("accepted_s"), None), 3, "s"),
-    ("requests cut by the drain bound (`handover_cut`)", (fact("cut"), None), 0, ""),
-    ("engines adopted (`adopted_at` set)", (fact("adopted"), None), 0, f"of {REPLICAS}"),
-    ("`engined_handover_seconds` (/metrics)", (fact("metric_s"), None), 3, "s"),
-    ("SIGTERM → old daemon exited (drain, engines stopped)", (None, fact("exit_s")), 3, "s"),
-    ("engines of the old daemon alive after it exited", (None, fact("orphans")), 0, ""),
-    ("new daemon start → every engine READY (`since`)", (None, fact("ready_s")), 3, "s"),
-    ("engines' `startup_s` (spawn → READY, median of the replicas)", (None, fact("startup_s")),
+     (lambda x: x.restarts, lambda x: x.restarts, fact("restarts")), 0, ""),
+    ("engines adopted (`adopted_at` set)", (fact("adopted"), None, fact("adopted")), 0,
+     f"of {REPLICAS}"),
+    ("POST /v1/upgrade → 202 (the new code's check)", (fact("accepted_s"), None, None), 3, "s"),
+    ("requests cut by the drain bound (`handover_cut`)", (fact("cut"), None, None), 0, ""),
+    ("`engined_handover_seconds` (/metrics)", (fact("metric_s"), None, None), 3, "s"),
+    ("SIGTERM → old daemon exited (drain, engines stopped)", (None, fact("exit_s"), None), 3,
+     "s"),
+    ("engines of the old daemon alive after it exited", (None, fact("orphans"), None), 0, ""),
+    ("engines' `startup_s` (spawn → READY, median of the replicas)",
+     (None, fact("startup_s"), None), 3, "s"),
+    ("old daemon gone → every engine READY under the new one", (None, None, fact("ready_s")),
      3, "s"),
+    ("new daemon start → every engine READY (`since`)", (None, fact("ready_s"), None), 3, "s"),
 ]
 
 
 def report_failures(r: Report, rounds: dict[str, list[Round]]) -> None:
     r("## 4. Failed requests, one line per round", "")
-    for scenario in (A, B):
+    for scenario in LABELS:
         for x in rounds[scenario]:
             failed = x.failed()
             if not failed:
@@ -496,22 +527,26 @@ def report(r: Report, rounds: dict[str, list[Round]], clients: int, warmup_s: fl
       f"{REPLICAS} replicas of `builtin:tiny-llama` (transformers, 1 thread, max_batch_size 8) "
       f"under `supervisor.launcher: forkserver`, the gateway and `http:` on free loopback ports, "
       f"`stop_timeout` {STOP_TIMEOUT} (the drain bound of both A and B). Rounds alternate A, B, "
-      f"A, B, ...; A upgrades the running daemon in place, B SIGTERMs it, waits for its exit "
+      f"C, A, ...; A upgrades the running daemon in place, B SIGTERMs it, waits for its exit "
       f"(it drains the gateway and stops every engine) and starts a new daemon on the same spec "
-      f"at once, as `systemctl restart` would; the next round runs on whatever the last one "
-      f"left. A round: {clients} client threads (one keep-alive `http.client` connection each) "
+      f"at once, as `systemctl restart` would; C SIGKILLs it and starts a new daemon at once, "
+      f"as systemd's Restart= would after a crash (the engines outlive it by "
+      f"`supervisor.orphan_timeout`, default 60 s, and are adopted; what was in flight through "
+      f"the dead daemon's gateway is lost with it); the next round runs on whatever the last "
+      f"one left. A round: {clients} client threads (one keep-alive `http.client` connection each) "
       f"loop `POST /v1/completions` through the gateway, alternately streamed (SSE read to "
       f"`data: [DONE]`) and not (the JSON must have `choices`), `max_tokens` {MAX_TOKENS}, "
       f"greedy; a client that fails closes its connection and sends again after "
       f"{RETRY_S * 1e3:.0f} ms (so the count of refused connections is set by that pace). "
       f"Once every client has had answers, {warmup_s:g} s of warm-up, then the trigger (A: "
       f"`POST /v1/upgrade` on the control socket, what `enginectl upgrade` sends before it "
-      f"polls status; B: SIGTERM), then the load goes on until every client has been answered "
-      f"after the event was done (A: a {POLL_S * 1e3:.0f} ms status poll shows `handovers` "
-      f"counted up; B: the new daemon has every engine READY) and {settle_s:g} s more. The "
+      f"polls status; B: SIGTERM; C: SIGKILL), then the load goes on until every client has "
+      f"been answered after the event was done (A: a {POLL_S * 1e3:.0f} ms status poll shows "
+      f"`handovers` counted up; B, C: the new daemon has every engine READY) and "
+      f"{settle_s:g} s more. The "
       f"window is every request that ended after the trigger. The gap: A, the daemon's own "
-      f"`handover_s` (the old code's last accept → the new code's first); B, SIGTERM → the "
-      f"first ok answer to a request sent after the old daemon exited. \"Longest request "
+      f"`handover_s` (the old code's last accept → the new code's first); B and C, the signal → "
+      f"the first ok answer to a request sent after the old daemon exited. \"Longest request "
       f"overlapping the event\": of the requests running at some time between the trigger and "
       f"the event done, the longest (any outcome). \"Longest time without an ok answer\": the "
       f"largest interval between consecutive ok answers of all clients, from the trigger to the "
@@ -544,11 +579,11 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="engined-bench-cache-"))
     if args.cache_dir is None:
         cleanup.dirs.append(cache)
-    rounds: dict[str, list[Round]] = {A: [], B: []}
+    rounds: dict[str, list[Round]] = {key: [] for key in LABELS}
     cpu_start = psutil.cpu_times()
     d: Fleet | None = None
     try:
-        r(title("engined upgrade benchmark: in place vs a daemon restart, under load",
+        r(title("engined upgrade benchmark: in place vs a daemon restart vs a crash, under load",
                 args.quick), "", *machine_lines(), engined_revision(), load_average("start"))
         checkpoint = build_checkpoint(cache)  # untimed, exactly as an engine would on first use
         r(f"- fleet: {REPLICAS} replicas of builtin:tiny-llama ({checkpoint.name}; torch "
@@ -559,10 +594,10 @@ def main(argv: list[str] | None = None) -> int:
           f"- load: {clients} client threads through the gateway, `/v1/completions` alternately "
           f"streamed and not, max_tokens {MAX_TOKENS}, greedy; warm-up {warmup_s:g} s, "
           f"{settle_s:g} s after every client was served again",
-          f"- rounds: {n} of each scenario, alternating A, B, A, B, ... on one fleet", "")
+          f"- rounds: {n} of each scenario, alternating A, B, C, A, ... on one fleet", "")
         d = cleanup.start(Fleet(cache, tracker))
         for i in range(n):
-            for scenario in (A, B):
+            for scenario in LABELS:
                 rounds[scenario].append(run_round(d, scenario, i, clients, warmup_s, settle_s))
     finally:
         leftovers = cleanup.close()

@@ -65,6 +65,7 @@ class Daemon:
         self.resumed: snapshot.Snapshot | None = None  # the hand-over this run began with
         self.claimer: recovery.Claimer | None = None  # set when resumed after engined died
         self.keeper: recovery.Keeper | None = None  # <runtime_dir>/state.json, kept current
+        self.kept_roots: set[int] = set()  # dead daemons whose scratch roots adopted engines use
         self.runners: dict[str, CappedRunner] = {}
         self.in_place = InPlace(self)  # upgrades (supervisor.upgrade)
         self.commands: asyncio.Queue[tuple[DaemonCommand, Any]] = asyncio.Queue()
@@ -108,7 +109,8 @@ class Daemon:
             self.in_place.adopt(self.resumed, self.claimer)
         s.reaper.install(loop)
         s.reaper.reap_orphans()  # what exited while no code of ours ran (an upgrade's exec)
-        await asyncio.to_thread(scratch.sweep_stale, self._adopted_roots())
+        self.kept_roots = self._adopted_roots()  # removed at our shutdown, not swept now
+        await asyncio.to_thread(scratch.sweep_stale, self.kept_roots)
         fds = self.resumed.fds if self.resumed is not None else None
         if fds is not None and fds.guard_pid is not None and fds.guard_fd is not None:
             s.guard.adopt(fds.guard_pid, fds.guard_fd)
@@ -129,8 +131,7 @@ class Daemon:
         s.notifier.ready(status_line(s.fleet))
         self._spawn_task(s.notifier.watchdog(s.monitor.healthy), "watchdog")
         keeper = self.keeper = recovery.Keeper(snapshot.path_in(self.paths.runtime_dir),
-                                               self.in_place.capture_now)
-        s.events.on_publish = keeper.touch
+                                               self.in_place.capture_now, s.changed)
         await keeper.write_now()
         self._spawn_task(keeper.run(), "snapshot")
         log.info("[start] engined %s pid %d: %d engines from %s", __version__, os.getpid(),
@@ -240,7 +241,7 @@ class Daemon:
         if self.keeper is not None:
             await self.keeper.close()
         snapshot.path_in(self.paths.runtime_dir).unlink(missing_ok=True)  # nothing to adopt
-        for pid in {None, *self._adopted_roots()}:
+        for pid in {None, *self.kept_roots}:
             await asyncio.to_thread(scratch.remove_root, pid)
         log.info("[shutdown] done in %.2fs", time.monotonic() - started)
 

@@ -21,6 +21,7 @@ command engine, for its probe, before the sockets accept again.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import signal
@@ -70,7 +71,7 @@ def capture(replicas: Iterable[Replica], now_mono: float, **fields: Any) -> snap
                           if replica.intent.spawn_due is not None else None),
             restart_reason=replica.intent.reason.value if replica.intent.reason else None,
             **_failures(replica.owner.failures(replica), now_mono),
-            process=_process(replica.current, now_mono)))
+            process=_process(replica.current, now_mono, spec_digest(replica.spec))))
     return snapshot.Snapshot(engined=__version__, pid=os.getpid(), written_at=time.time(),
                              replicas=out, **fields)
 
@@ -80,7 +81,13 @@ def _failures(history: FailureHistory, now: float) -> dict[str, Any]:
             "consecutive": history.consecutive, "shortages": history.shortages}
 
 
-def _process(inc: Incarnation | None, now: float) -> snapshot.Process | None:
+def spec_digest(spec: object) -> str:
+    """What the spec an engine runs with is, in 16 hex digits: a new engined adopts a process
+    only for the same spec (a changed one is started again, as a reload would)."""
+    return hashlib.sha256(repr(spec).encode()).hexdigest()[:16]
+
+
+def _process(inc: Incarnation | None, now: float, spec: str) -> snapshot.Process | None:
     if inc is None or inc.child is None or not inc.alive or inc.vitals is None:
         return None
     child, vitals = inc.child, inc.vitals
@@ -93,7 +100,7 @@ def _process(inc: Incarnation | None, now: float) -> snapshot.Process | None:
         output_fd=inc.pipe.fd if inc.pipe is not None and not inc.pipe.closed else None,
         port=child.port, launcher=child.launcher, spawned_ago_s=now - child.spawned_at,
         ready_ago_s=now - vitals.ready_at if vitals.ready_at is not None else None,
-        ready=ready)
+        ready=ready, spec=spec)
 
 
 def check_handover(replicas: Iterable[Replica]) -> None:

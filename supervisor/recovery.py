@@ -34,13 +34,14 @@ from pathlib import Path
 from typing import Callable
 
 from engined.supervisor import snapshot
+from engined.supervisor.handover import spec_digest
 from engined.supervisor.host.guard import ORPHANS_SOCKET, _mark
 from engined.supervisor.replica import Replica
 
 log = logging.getLogger("engined")
 
 CLAIM_TIMEOUT_S = 5.0
-WRITE_EVERY_S = 1.0  # the snapshot is rewritten at least this often (ages and backoffs move)
+MIN_GAP_S = 0.02  # the snapshot is rewritten at most this often (a burst of changes: once)
 
 
 @dataclass
@@ -156,6 +157,12 @@ class Claimer:
         if orphan is None or orphan.pidfd is None:
             self._not_handed_over(replica, process)
             return None
+        if process.spec and process.spec != spec_digest(replica.spec) and not orphan.exited():
+            log.warning("[recover] %s: its spec changed since pid %d was started: it is "
+                        "started again with the new one", replica.name, process.pid)
+            orphan.kill()
+            orphan.close()
+            return None
         if not orphan.exited():  # the pidfd proves it; the start time says it is the one saved
             why = _not_the_same(process, use_mark=False)
             if why is not None:
@@ -220,13 +227,16 @@ def _not_the_same(process: snapshot.Process, use_mark: bool = True) -> str | Non
 
 
 class Keeper:
-    """Keeps `<runtime_dir>/state.json` current: rewritten on every state change (`touch`) and
-    at least every WRITE_EVERY_S, off the event loop, atomically (supervisor.snapshot)."""
+    """Keeps `<runtime_dir>/state.json` current: rewritten, off the event loop and atomically
+    (supervisor.snapshot), whenever `changed` is set (a state change, an event, a child spawned
+    or gone, a request counted), at most every MIN_GAP_S. The file's ages are relative to its
+    `written_at`, so an idle daemon has nothing to rewrite and never wakes for it."""
 
-    def __init__(self, path: Path, capture: Callable[[], snapshot.Snapshot]) -> None:
+    def __init__(self, path: Path, capture: Callable[[], snapshot.Snapshot],
+                 changed: asyncio.Event) -> None:
         self.path = path
         self.capture = capture
-        self.changed = asyncio.Event()
+        self.changed = changed
         self.writes = 0
         self.failed: str | None = None
         self.closed = False
@@ -242,17 +252,12 @@ class Keeper:
             except OSError:
                 pass
 
-    def touch(self, *_: object) -> None:
-        self.changed.set()
-
     async def run(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self.changed.wait(), WRITE_EVERY_S)
-            except asyncio.TimeoutError:
-                pass
+        while not self.closed:
+            await self.changed.wait()
             self.changed.clear()
             await self.write_now()
+            await asyncio.sleep(MIN_GAP_S)
 
     async def write_now(self) -> None:
         if self.closed:

@@ -131,6 +131,7 @@ class ReplicaDeps:
     probes: ProbeClient = field(default_factory=ProbeClient)  # command engines' HTTP probes
     # requests routed to an incarnation now (supervisor.routing counts them)
     in_flight: Callable[[Incarnation], int] = lambda incarnation: 0
+    counted: Callable[[], None] = lambda: None  # a request counted (the state snapshot is due)
 
     def liveness_for(self, spec: EngineSpec, incarnation: Callable[[], Incarnation]
                      ) -> Liveness:
@@ -221,6 +222,7 @@ class Replica:
 
     def count_request(self, outcome: str) -> None:
         self.history.requests[outcome] += 1
+        self.deps.counted()
 
     def view(self) -> EngineView:
         inc = self.current or self.previous

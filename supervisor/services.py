@@ -87,6 +87,7 @@ class Services:
     control: ControlContext
     upstream: Upstream
     gateway: Gateway | None
+    changed: asyncio.Event  # set when what the state snapshot holds changed
 
     @classmethod
     def build(cls, spec: FleetSpec, paths: Paths, nofile: int | None,
@@ -94,6 +95,7 @@ class Services:
         """Every service, in dependency order (call on the running loop)."""
         loop, sup = asyncio.get_running_loop(), spec.supervisor
         clock, notices, addresses = SystemClock(), Notices(), AddressBook()
+        changed = asyncio.Event()  # what the state snapshot holds changed (supervisor.recovery)
         monitor = LoopMonitor(clock, grace_s=sup.heartbeat_interval_s)
         sampler, probes, notifier = Sampler(), ProbeClient(), Notifier()
         watcher = ChildWatcher()  # every child's pidfd; the reaper reaps only others
@@ -115,7 +117,7 @@ class Services:
             heartbeat_timeout_s=sup.heartbeat_timeout_s, monitor=monitor, notices=notices,
             addresses=addresses, reaper=reaper, nvml=sampler.nvml, oom=OomWitness(),
             log_max_bytes=sup.log_max_bytes, log_backups=sup.log_backups, probes=probes,
-            in_flight=router.in_flight)
+            in_flight=router.in_flight, counted=changed.set)
         fleet = Fleet(spec, lambda engine, owner: Replica(engine, deps, owner), clock, router,
                       addresses)
         events = EventLog()
@@ -129,13 +131,25 @@ class Services:
             events.publish(transition(change.view, change.old.value))
             notifier.status(status_line(fleet))
 
+        events.on_publish = changed.set
+        if gateway is not None:
+            gateway.on_counted = changed.set
         notices.state.subscribe(on_state)
         notices.state.subscribe(router.on_state)
         notices.lost.subscribe(channels.on_lost)
         notices.lost.subscribe(upstream.on_lost)
         guard = GuardControl(watcher, paths.runtime_dir, sup.orphan_timeout_s)
+        tell_guard = watcher.on_change
+
+        def child_changed(pid: int, alive: bool) -> None:  # the guard is told, the snapshot due
+            if tell_guard is not None:
+                tell_guard(pid, alive)
+            changed.set()
+
+        watcher.on_change = child_changed
         return cls(clock, monitor, notifier, sampler, probes, watcher, reaper, guard, budget,
-                   launcher, channels, router, fleet, events, control, upstream, gateway)
+                   launcher, channels, router, fleet, events, control, upstream, gateway,
+                   changed)
 
     async def serve(self, spec: FleetSpec, paths: Paths,
                     inherited: dict[str, int] | None = None) -> dict[str, CappedRunner]:

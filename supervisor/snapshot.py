@@ -50,6 +50,7 @@ class Process(Struct, kw_only=True):
     spawned_ago_s: float = 0.0  # its spawn, before the snapshot
     ready_ago_s: float | None = None  # its READY, before the snapshot (None: not READY yet)
     ready: dict[str, Any] | None = None  # its READY message (proto.Ready's fields)
+    spec: str = ""  # a digest of the engine spec it was started with ("": not known)
 
 
 class Replica(Struct, kw_only=True):

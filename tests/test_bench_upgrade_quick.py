@@ -5,7 +5,8 @@ scenario, tiny-llama): it must exit 0 and write every table with every row, and 
 may be left running. Nothing here asserts wall-clock speed (benchmarks report, tests don't time);
 only what is not a timing: in place (A), the daemon keeps its pid, both engines keep their
 processes and are adopted, no request fails and nothing is restarted; the old way (B), a new
-daemon with new engines, none of the old daemon's left behind.
+daemon with new engines, none of the old daemon's left behind; after a crash (C), a new daemon
+that adopted both engines, nothing restarted.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ REQUEST_ROWS = ("requests in the window (trigger → load stopped)", "… answer
                 "… connection reset or closed without an answer", "… HTTP error status",
                 "… stream cut, timeout or other error", "failed before the trigger (warm-up)",
                 "ok answers/s in the warm-up", "ok answers/s in the window")
-STALL_ROWS = ("the gap (A: `handover_s`; B: SIGTERM → first ok answer from the new daemon)",
-              "trigger → event done (A: status shows the hand-over; B: new daemon, every engine "
-              "READY)",
+STALL_ROWS = ("the gap (A: `handover_s`; B, C: the signal → first ok answer from the new "
+              "daemon)",
+              "trigger → event done (A: status shows the hand-over; B, C: new daemon, every "
+              "engine READY)",
               "trigger → first ok answer (any request)",
               "trigger → first ok answer to a request sent after the trigger",
               "longest request overlapping the event", "longest time without an ok answer, window",
@@ -39,16 +41,21 @@ STALL_ROWS = ("the gap (A: `handover_s`; B: SIGTERM → first ok answer from the
 FLEET_ROWS = ("daemon pid kept (1 = yes)", "engines kept (same pid and start time)",
               "fork servers kept (same pid)",
               "engine restarts the daemon counted in the round (B: a new daemon counts from 0)",
+              "engines adopted (`adopted_at` set)",
               "POST /v1/upgrade → 202 (the new code's check)",
               "requests cut by the drain bound (`handover_cut`)",
-              "engines adopted (`adopted_at` set)", "`engined_handover_seconds` (/metrics)",
+              "`engined_handover_seconds` (/metrics)",
               "SIGTERM → old daemon exited (drain, engines stopped)",
               "engines of the old daemon alive after it exited",
-              "new daemon start → every engine READY (`since`)",
-              "engines' `startup_s` (spawn → READY, median of the replicas)")
-A_ONLY = FLEET_ROWS[4:8]
-B_ONLY = FLEET_ROWS[8:]
+              "engines' `startup_s` (spawn → READY, median of the replicas)",
+              "old daemon gone → every engine READY under the new one",
+              "new daemon start → every engine READY (`since`)")
+# which scenarios (A, B, C) have each row that not all have
+ONLY = {FLEET_ROWS[4]: "AC", FLEET_ROWS[5]: "A", FLEET_ROWS[6]: "A", FLEET_ROWS[7]: "A",
+        FLEET_ROWS[8]: "B", FLEET_ROWS[9]: "B", FLEET_ROWS[10]: "B", FLEET_ROWS[11]: "C",
+        FLEET_ROWS[12]: "B"}
 RESTARTS = FLEET_ROWS[3]
+A, B, C = 1, 3, 5  # a scenario's median column
 SECONDS = re.compile(r"\d+\.\d{3} s")
 
 
@@ -86,18 +93,18 @@ def test_upgrade_quick_produces_every_table(tmp_path: Path) -> None:
     pids_line = re.search(r"^- daemon pids: (.*)$", text, re.M)
     assert pids_line, text[-500:]
     daemon_pids = {int(p) for p in re.findall(r"\b(\d+)\b", pids_line.group(1))}
-    assert len(daemon_pids) == 2, pids_line.group(0)  # the first, and B's new daemon
+    assert len(daemon_pids) == 3, pids_line.group(0)  # the first, B's and C's new daemons
     assert left_running(daemon_pids) == []
     check_report(text)
 
 
 def by_label(body: str, labels: tuple[str, ...]) -> dict[str, list[str]]:
     """The section's one table, by row label: every label there, once, and nothing else;
-    each row: label, A median, A min–max, B median, B min–max, rounds."""
+    each row: label, then median and min–max for A, B and C, rounds."""
     (rows,) = tables(body)
     assert [row[0] for row in rows] == list(labels), rows
     for row in rows:
-        assert len(row) == 6 and row[5] == "1/1", row  # one round of each
+        assert len(row) == 8 and row[7] == "1/1/1", row  # one round of each
     return {row[0]: row for row in rows}
 
 
@@ -107,17 +114,16 @@ def check_report(text: str) -> None:
     stall = by_label(section(secs, "2. The gap"), STALL_ROWS)
     fleet = by_label(section(secs, "3. The engines and the daemon"), FLEET_ROWS)
 
-    for row in requests.values():  # every request row measured for both scenarios
-        assert "–" not in (row[1], row[3]), row
+    for row in requests.values():  # every request row measured for every scenario
+        assert "–" not in (row[A], row[B], row[C]), row
     for row in stall.values():
-        assert SECONDS.fullmatch(row[1]) and SECONDS.fullmatch(row[3]), row
-    for label in A_ONLY:
-        assert fleet[label][1] != "–" and fleet[label][3] == "–", fleet[label]
-    for label in B_ONLY:
-        assert fleet[label][1] == "–" and fleet[label][3] != "–", fleet[label]
+        assert all(SECONDS.fullmatch(row[k]) for k in (A, B, C)), row
+    for label, where in ONLY.items():
+        for name, k in zip("ABC", (A, B, C)):
+            assert (fleet[label][k] != "–") == (name in where), (name, fleet[label])
 
-    # both scenarios served requests in their window
-    assert int(requests["… answered ok"][1]) > 0 and int(requests["… answered ok"][3]) > 0
+    # every scenario served requests in its window
+    assert all(int(requests["… answered ok"][k]) > 0 for k in (A, B, C)), requests
     # A, in place: nothing failed, nothing refused, nothing cut, the same processes
     assert requests["… failed, all kinds"][1] == "0", requests["… failed, all kinds"]
     assert requests["… connection refused"][1] == "0", requests["… connection refused"]
@@ -130,10 +136,17 @@ def check_report(text: str) -> None:
     assert fleet["daemon pid kept (1 = yes)"][3] == "0", fleet
     assert fleet["engines kept (same pid and start time)"][3] == "0 of 2", fleet
     assert fleet["engines of the old daemon alive after it exited"][3] == "0", fleet
-    # nothing failed before either trigger
-    assert requests["failed before the trigger (warm-up)"][1:4:2] == ["0", "0"], requests
+    # C, a crash: a new daemon that adopted both engines (what the dead gateway had in flight
+    # is lost with it), nothing restarted
+    assert fleet["daemon pid kept (1 = yes)"][C] == "0", fleet
+    assert fleet["engines kept (same pid and start time)"][C] == "2 of 2", fleet
+    assert fleet["engines adopted (`adopted_at` set)"][C] == "2 of 2", fleet
+    assert fleet[RESTARTS][C] == "0", fleet
+    # nothing failed before any trigger
+    assert requests["failed before the trigger (warm-up)"][1:6:2] == ["0", "0", "0"], requests
 
     failures = section(secs, "4. Failed requests")
     assert re.search(r"^- A: upgrade in place, round 1: none$", failures, re.M), failures
     assert re.search(r"^- B: SIGTERM \+ new daemon, round 1: ", failures, re.M), failures
+    assert re.search(r"^- C: SIGKILL \+ new daemon, round 1: ", failures, re.M), failures
     section(secs, "Method")

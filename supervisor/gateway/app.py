@@ -105,6 +105,7 @@ class Gateway:
                  api_key: ApiKey, clock: Callable[[], float] = time.monotonic) -> None:
         self.router, self.api_key, self.clock = router, api_key, clock
         self.stats = GatewayStats()
+        self.on_counted: Callable[[], None] = lambda: None  # the state snapshot is due
         self.channels = channels
         self.relay = Relay(router, channels, clock, on_move=self._moved)
         self.choices = Choices(self.relay, clock, self._first)
@@ -324,6 +325,7 @@ class Gateway:
             if not self.active:
                 self._idle.set()
             self.stats.requests[(label, outcome)] += 1
+            self.on_counted()
             self.stats.observe(self.stats.latency, label, self.clock() - started)
             log.info("[gateway] %s %s %s %s in %.3fs", rid, request.path, label, outcome,
                      self.clock() - started)

@@ -18,8 +18,21 @@ from driver import PYTHON, REPO_ROOT, _clean_env, free_port, process_gone
 from handover_helpers import FLEET, Clients, identity, metric
 
 
+def _saved_pids(d) -> set[int]:
+    try:
+        saved = json.loads((d.runtime_dir / "state.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    return {r["process"]["pid"] for r in saved["replicas"] if r["process"]}
+
+
 def _kill_daemon(d) -> set[int]:
-    """SIGKILL the daemon; the pids of everything it had started (engines' descendants too)."""
+    """SIGKILL the daemon once its state snapshot shows every live engine (it is written
+    within milliseconds of a change; what changed in the very instant of a death is lost);
+    the pids of everything it had started (engines' descendants too)."""
+    live = {e["pid"] for e in d.engines().values()
+            if e["pid"] is not None and e["state"] != "STOPPING"}
+    d.wait_for(lambda: _saved_pids(d) == live, 10, "the snapshot to show every live engine")
     pids = d.spawned_pids()
     tree = set(pids)
     for pid in pids:
@@ -58,7 +71,7 @@ def test_a_new_engined_adopts_every_engine_after_a_sigkill(engined):
     assert clients.errors == [], clients.errors[:5]
     served = metric(http, 'engined_gateway_requests_total{model="echo",outcome="ok"}')
 
-    def saved_count() -> float:  # the snapshot on disk is kept current (at least every second)
+    def saved_count() -> float:  # the snapshot on disk is kept current (within milliseconds)
         try:
             saved = json.loads((d.runtime_dir / "state.json").read_text())
         except (OSError, ValueError):
@@ -221,4 +234,26 @@ def test_under_the_unit_a_crash_is_adopted_and_a_stop_leaves_nothing(engined):
         clean = _unit_stop_post(d, "success")  # nothing was waiting: said, nothing done
         assert clean.returncode == 0 and "no engines are waiting" in clean.stdout, clean
     finally:
+        _cleanup(tree)
+
+
+def test_an_engine_whose_spec_changed_meanwhile_is_started_again_not_adopted(engined):
+    d = engined([FLEET[1], {**FLEET[1], "name": "other", "env": dict(FLEET[1]["env"])}],
+                supervisor={"orphan_timeout": "60s"})
+    before = identity(d)
+    tree = _kill_daemon(d)
+    try:
+        spec = d.spec_path.read_text()
+        d.spec_path.write_text(spec.replace("ENGINED_ECHO_TOKEN_MS: '15'",
+                                            "ENGINED_ECHO_TOKEN_MS: '16'", 1))
+        assert d.spec_path.read_text() != spec
+        d.expect_unclean_exit = False
+        d.start()
+        now = d.wait_all_ready()
+        assert now["ex-0"]["pid"] != before["ex-0"][0] and now["ex-0"]["adopted_at"] is None
+        assert "its spec changed" in d.stderr_text()
+        assert identity(d)["other-0"] == before["other-0"]
+        d.wait_for(lambda: process_gone(before["ex-0"][0]), 10, "the old ex-0 gone")
+    finally:
+        d.stop()
         _cleanup(tree)

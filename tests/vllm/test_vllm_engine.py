@@ -530,6 +530,27 @@ def test_an_upgrade_in_place_keeps_both_vllm_engines(ready_fleet: Daemon):
     assert code == 200 and body["text"], body
 
 
+def test_a_sigkilled_daemons_vllm_engines_are_adopted_by_the_next(ready_fleet: Daemon):
+    """engined SIGKILLed: its vLLM engine children run on (supervisor.orphan_timeout) and the
+    next engined adopts them as they are (same pids, incarnations and restart counts) and
+    serves at once through the gateway."""
+    d = ready_fleet
+    before = {n: (e["pid"], e["incarnation"], e["restarts"]) for n, e in d.engines().items()}
+    d.expect_unclean_exit = True
+    d.signal(signal.SIGKILL)
+    d.wait_exit()
+    d.expect_unclean_exit = False
+    d.start()
+    d.wait_for(lambda: all(e["state"] == "READY" for e in d.engines().values()), 60,
+               "every vLLM engine READY under the new engined")
+    after = {n: (e["pid"], e["incarnation"], e["restarts"]) for n, e in d.engines().items()}
+    assert after == before
+    assert all(e["adopted_at"] for e in d.engines().values())
+    assert d.status()["supervisor"]["handovers"] >= 1
+    code, body = _post(d, {"prompt": "hello after a crash", "max_tokens": 8})
+    assert code == 200 and body["text"], body
+
+
 def test_daemon_sigterm_runs_every_vllm_cleanup_and_leaves_nothing(ready_fleet: Daemon):
     """Last in the module: it stops the shared fleet's daemon."""
     d = ready_fleet

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -265,11 +266,32 @@ def test_an_upgrade_in_place_keeps_the_server_and_the_stream_on_it(served: Daemo
     assert done.usage.completion_tokens == 8
 
 
-def test_after_a_daemon_sigkill_no_vllm_process_is_left(served: Daemon):
-    pids = _tree(served)
+def test_after_a_daemon_sigkill_the_next_adopts_vllm_serve_and_a_stop_leaves_nothing(
+        served: Daemon):
+    """engined SIGKILLed: `vllm serve` and its EngineCore run on and the next engined adopts
+    them (same processes, same restart count) and serves at once. SIGKILLed again and stopped
+    the way the unit's ExecStopPost does (`engined --stop-orphans`): nothing is left."""
+    pids, restarts = _tree(served), served.engine("served-0")["restarts"]
     served.expect_unclean_exit = True
     served.signal(signal.SIGKILL)
     served.wait_exit()
+    served.expect_unclean_exit = False
+    served.start()
+    served.wait_for(lambda: served.engine("served-0")["state"] == "READY", 60,
+                    "served-0 READY under the new engined")
+    e = served.engine("served-0")
+    assert e["adopted_at"] and e["restarts"] == restarts and _tree(served) == pids, e
+    done = _client(served).completions.create(model="served", prompt="hello", max_tokens=8,
+                                              temperature=0)
+    assert done.usage.completion_tokens == 8
+
+    served.expect_unclean_exit = True
+    served.signal(signal.SIGKILL)
+    served.wait_exit()
+    stop = subprocess.run([sys.executable, "-m", "engined.supervisor.daemon", "-c",
+                           str(served.spec_path), "--stop-orphans"], capture_output=True,
+                          text=True, timeout=120)
+    assert stop.returncode == 0 and "were stopped" in stop.stdout, stop
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline and not all(process_gone(p) for p in pids):
         time.sleep(0.1)
@@ -277,4 +299,4 @@ def test_after_a_daemon_sigkill_no_vllm_process_is_left(served: Daemon):
     for pid in left:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    assert not left, f"vLLM processes outlived the daemon by 5 s: {left}"
+    assert not left, f"vLLM processes outlived engined --stop-orphans by 5 s: {left}"
