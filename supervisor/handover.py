@@ -24,6 +24,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import select
 import signal
 import tempfile
 import time
@@ -54,8 +55,11 @@ class HandoverRejected(Exception):
     """The upgrade cannot go ahead; nothing changed."""
 
 
-def capture(replicas: Iterable[Replica], now_mono: float, **fields: Any) -> snapshot.Snapshot:
-    """The replicas' state as a snapshot (their live processes with their output pipes)."""
+def capture(replicas: Iterable[Replica], now_mono: float,
+            pidfds: dict[int, int] | None = None, **fields: Any) -> snapshot.Snapshot:
+    """The replicas' state as a snapshot (their live processes with their output pipes and,
+    for an exec, `pidfds`: the pidfds of those that are not our children, adopted after a
+    crash, which are the only proof of them across the exec)."""
     out = []
     for replica in replicas:
         history = replica.history
@@ -71,7 +75,8 @@ def capture(replicas: Iterable[Replica], now_mono: float, **fields: Any) -> snap
                           if replica.intent.spawn_due is not None else None),
             restart_reason=replica.intent.reason.value if replica.intent.reason else None,
             **_failures(replica.owner.failures(replica), now_mono),
-            process=_process(replica.current, now_mono, spec_digest(replica.spec))))
+            process=_process(replica.current, now_mono, spec_digest(replica.spec),
+                             pidfds or {})))
     return snapshot.Snapshot(engined=__version__, pid=os.getpid(), written_at=time.time(),
                              replicas=out, **fields)
 
@@ -87,7 +92,8 @@ def spec_digest(spec: object) -> str:
     return hashlib.sha256(repr(spec).encode()).hexdigest()[:16]
 
 
-def _process(inc: Incarnation | None, now: float, spec: str) -> snapshot.Process | None:
+def _process(inc: Incarnation | None, now: float, spec: str,
+             pidfds: dict[int, int]) -> snapshot.Process | None:
     if inc is None or inc.child is None or not inc.alive or inc.vitals is None:
         return None
     child, vitals = inc.child, inc.vitals
@@ -100,7 +106,7 @@ def _process(inc: Incarnation | None, now: float, spec: str) -> snapshot.Process
         output_fd=inc.pipe.fd if inc.pipe is not None and not inc.pipe.closed else None,
         port=child.port, launcher=child.launcher, spawned_ago_s=now - child.spawned_at,
         ready_ago_s=now - vitals.ready_at if vitals.ready_at is not None else None,
-        ready=ready, spec=spec)
+        ready=ready, spec=spec, pidfd=pidfds.get(child.pid))
 
 
 def check_handover(replicas: Iterable[Replica]) -> None:
@@ -156,13 +162,19 @@ def exec_claim(replica: Replica, process: snapshot.Process) -> tuple[int | None,
     """An upgrade in place: our child (its pid cannot have been reused) with the start time
     saved, and its output pipe kept across the exec."""
     if process.output_fd is None:
+        _close(process.pidfd)
         return None
-    if not _ours(process):
-        log.warning("[upgrade] %s: pid %d is not the process handed over (gone, or not our "
-                    "child): starting it again", replica.name, process.pid)
-        _close(process.output_fd)
-        return None
-    return None, process.output_fd
+    if _ours(process):
+        _close(process.pidfd)
+        return None, process.output_fd
+    if process.pidfd is not None and _alive(process.pidfd) and \
+            snapshot.start_ticks(process.pid) == process.start_ticks:
+        return process.pidfd, process.output_fd  # adopted after a crash: its pidfd proves it
+    log.warning("[upgrade] %s: pid %d is not the process handed over (gone, or not our "
+                "child): starting it again", replica.name, process.pid)
+    _close(process.output_fd)
+    _close(process.pidfd)
+    return None
 
 
 def restore(replica: Replica, saved: snapshot.Replica, watcher: ChildWatcher,
@@ -245,6 +257,11 @@ def _ours(process: snapshot.Process) -> bool:
     """Our child (so its pid cannot have been reused: we have not reaped it), born when the
     snapshot says."""
     return snapshot.parent_and_start(process.pid) == (os.getpid(), process.start_ticks)
+
+
+def _alive(pidfd: int) -> bool:
+    """A pidfd turns readable once its process has exited."""
+    return not select.select([pidfd], [], [], 0)[0]
 
 
 def _close(fd: int | None) -> None:

@@ -51,6 +51,7 @@ class Process(Struct, kw_only=True):
     ready_ago_s: float | None = None  # its READY, before the snapshot (None: not READY yet)
     ready: dict[str, Any] | None = None  # its READY message (proto.Ready's fields)
     spec: str = ""  # a digest of the engine spec it was started with ("": not known)
+    pidfd: int | None = None  # a process that is not our child: its pidfd, kept across an exec
 
 
 class Replica(Struct, kw_only=True):

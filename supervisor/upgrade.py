@@ -12,6 +12,7 @@ import time
 from typing import Any, Protocol
 
 from engined.supervisor import __version__, handover, recovery, snapshot
+from engined.supervisor.host.reaper import children_of
 from engined.supervisor.host.runtime import RuntimeLock
 from engined.supervisor.reload import plan_reload
 from engined.supervisor.services import Paths, Services, status_line
@@ -162,8 +163,11 @@ class InPlace:
                            guard_fd=guard_fd, control=held.get("control"),
                            http=held.get("http"), gateway=held.get("gateway"),
                            connections=connections)
+        mine = children_of(os.getpid())  # adopted after a crash: not ours, their pidfds go on
+        strangers = {pid: fd for pid, fd in s.watcher.pidfds.items() if pid not in mine}
         saved = handover.capture(
-            s.fleet.replicas.values(), s.clock.monotonic(), handovers=self.handovers + 1,
+            s.fleet.replicas.values(), s.clock.monotonic(), strangers,
+            handovers=self.handovers + 1,
             reloads=s.control.generation, events=list(s.events.recent),
             events_total=s.events.total, counters=self._counters(cut), fds=fds,
             handover_started=time.time() - (time.monotonic() - started),
@@ -171,7 +175,8 @@ class InPlace:
         keep = [fds.lock, guard_fd, *held.values(),
                 *(fd for fds_ in connections.values() for fd in fds_),
                 *(server["channel_fd"] for server in saved.fork_servers)] + [
-            r.process.output_fd for r in saved.replicas if r.process is not None]
+            fd for r in saved.replicas if r.process is not None
+            for fd in (r.process.output_fd, r.process.pidfd)]
         path = self.d.paths.runtime_dir / HANDOVER_FILE  # not state.json: its keeper writes that
         snapshot.write(path, saved)
         s.channels.close_now()  # engines reconnect to the new code's sockets by themselves

@@ -257,3 +257,32 @@ def test_an_engine_whose_spec_changed_meanwhile_is_started_again_not_adopted(eng
     finally:
         d.stop()
         _cleanup(tree)
+
+
+def test_engines_adopted_after_a_crash_are_kept_by_an_upgrade_in_place(engined):
+    """Adopted engines are not engined's children: across an upgrade's exec their pidfds
+    (the proof of them) are handed over too, so they are kept, not restarted."""
+    d = engined(FLEET[:3], ready=False, supervisor={"orphan_timeout": "60s"})
+    for name in ("echo-0", "echo-1", "ex-0", "web-0"):
+        d.wait_state(name, "READY", timeout_s=30)
+    before = identity(d)
+    tree = _kill_daemon(d)
+    try:
+        d.expect_unclean_exit = False
+        d.start()
+        d.wait_for(lambda: all(d.engine(n)["state"] == "READY" for n in before), 30,
+                   "every engine adopted")
+        assert identity(d) == before
+        done = d.ctl("upgrade")
+        assert done.returncode == 0, done.stderr
+        d.wait_for(lambda: all(d.engine(n)["state"] == "READY" for n in before), 30,
+                   "every engine READY after the upgrade")
+        assert identity(d) == before
+        assert d.status()["supervisor"]["handovers"] == 2
+        assert d.ctl("generate", "still here").stdout.strip() == "still here"
+        victim = before["ex-0"][0]  # still supervised: a kill is a restart as ever
+        psutil.Process(victim).kill()
+        assert d.wait_restarted("ex-0", victim)["restarts"] == before["ex-0"][3] + 1
+    finally:
+        d.stop()
+        _cleanup(tree)
