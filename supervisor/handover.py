@@ -243,8 +243,10 @@ def _adopt(replica: Replica, process: snapshot.Process, taken: tuple[int | None,
         vitals.ready_at = now - process.ready_ago_s  # its READY run goes on (backoff reset)
     vitals.heartbeat_at = deps.clock.monotonic()  # judged by heartbeats from now; never by
     # its startup timeout
-    inc.adopted_at, inc.reattaching = time.time(), True
-    inc.resumed_since = since
+    # One that was READY is READY again once reachable; one still loading (adopted after a
+    # crash) goes on loading: its own READY says when, its startup timeout still counts.
+    inc.adopted_at, inc.reattaching = time.time(), process.ready_ago_s is not None
+    inc.resumed_since = since if process.ready_ago_s is not None else None
     replica.current = inc
     replica.bind(inc.address)
     replica.state = EngineState.STARTING

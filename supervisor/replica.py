@@ -391,6 +391,10 @@ class Replica:
             return False
         now = self.clock.monotonic()
         if isinstance(msg, proto.Heartbeat):
+            if self.state is EngineState.STARTING and inc.adopted_at is not None:
+                # Adopted while loading (after a crash): an engine heartbeats only once it has
+                # sent READY, which the engined that died may have taken with it.
+                reattached(self)
             if inc.on_heartbeat(msg, now):  # work began: the stall deadline may now come first
                 self.intent.wakeup.set()
             # Otherwise a heartbeat only moves deadlines later: the watcher re-checks at the old

@@ -45,6 +45,7 @@ class InPlace:
         self.d = daemon
         self.handover_s: float | None = None  # the last hand-over's gap, seen by the new code
         self._pending: dict[Any, Any] = {}  # adopted replicas -> incarnations, not READY yet
+        self._adopted: list[str] = []  # the replicas whose processes were adopted
         self.abandoned = 0  # hand-overs begun and abandoned by this code (enginectl reports it)
         self.last_error: str | None = None
         self.recovered = False  # this engined adopted the engines of one that died
@@ -231,7 +232,9 @@ class InPlace:
                 continue
             inc = handover.restore(replica, record, s.watcher, now, claim, how)
             if inc is not None:
-                self._pending[replica] = inc
+                self._adopted.append(replica.name)
+                if inc.reattaching:
+                    self._pending[replica] = inc
                 s.guard.mark(inc.token)
         if claimer is not None:
             claimer.leftovers()  # what the guard held that no replica took: killed
@@ -247,7 +250,7 @@ class InPlace:
         engine is reachable (bounded)."""
         s = self.d.services
         pending = self._pending
-        adopted = sorted(r.name for r in pending)
+        adopted = sorted(self._adopted)
         s.events.restore(saved.events, saved.events_total)
         s.control.generation = saved.reloads
         if s.gateway is not None:

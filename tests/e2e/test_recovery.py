@@ -18,21 +18,23 @@ from driver import PYTHON, REPO_ROOT, _clean_env, free_port, process_gone
 from handover_helpers import FLEET, Clients, identity, metric
 
 
-def _saved_pids(d) -> set[int]:
+def _saved(d) -> set[tuple[int, str]]:
     try:
         saved = json.loads((d.runtime_dir / "state.json").read_text())
     except (OSError, ValueError):
         return set()
-    return {r["process"]["pid"] for r in saved["replicas"] if r["process"]}
+    return {(r["process"]["pid"], r["state"]) for r in saved["replicas"] if r["process"]}
 
 
 def _kill_daemon(d) -> set[int]:
-    """SIGKILL the daemon once its state snapshot shows every live engine (it is written
-    within milliseconds of a change; what changed in the very instant of a death is lost);
-    the pids of everything it had started (engines' descendants too)."""
-    live = {e["pid"] for e in d.engines().values()
-            if e["pid"] is not None and e["state"] != "STOPPING"}
-    d.wait_for(lambda: _saved_pids(d) == live, 10, "the snapshot to show every live engine")
+    """SIGKILL the daemon once its state snapshot shows every live engine as status does (it
+    is written within milliseconds of a change; what changed in the very instant of a death is
+    lost); the pids of everything it had started (engines' descendants too)."""
+    def same() -> bool:
+        live = {(e["pid"], e["state"]) for e in d.engines().values()
+                if e["pid"] is not None and e["state"] != "STOPPING"}
+        return _saved(d) == live
+    d.wait_for(same, 10, "the snapshot to show every live engine")
     pids = d.spawned_pids()
     tree = set(pids)
     for pid in pids:
@@ -283,6 +285,49 @@ def test_engines_adopted_after_a_crash_are_kept_by_an_upgrade_in_place(engined):
         victim = before["ex-0"][0]  # still supervised: a kill is a restart as ever
         psutil.Process(victim).kill()
         assert d.wait_restarted("ex-0", victim)["restarts"] == before["ex-0"][3] + 1
+    finally:
+        d.stop()
+        _cleanup(tree)
+
+
+def test_an_engine_still_loading_at_the_crash_is_adopted_and_becomes_ready_itself(engined):
+    """Adopted while loading: it is not called READY on reconnecting; its own READY, once its
+    load is done, makes it READY: the same process, never restarted."""
+    slow = {"name": "slow", "model": "builtin:echo", "launcher": "exec",
+            "env": {"ENGINED_ECHO_LOAD_S": "4"}}
+    d = engined([slow], ready=False, supervisor={"orphan_timeout": "60s"})
+    loading = d.wait_state("slow-0", "STARTING", where=lambda e: e["pid"] is not None)
+    tree = _kill_daemon(d)
+    try:
+        d.expect_unclean_exit = False
+        d.start()
+        e = d.engine("slow-0")
+        assert e["pid"] == loading["pid"] and e["adopted_at"], e
+        ready = d.wait_state("slow-0", "READY", timeout_s=30)
+        assert ready["pid"] == loading["pid"] and ready["restarts"] == 0, ready
+        assert ready["incarnation"] == loading["incarnation"], ready
+    finally:
+        d.stop()
+        _cleanup(tree)
+
+
+def test_an_engine_whose_ready_died_with_engined_is_ready_by_its_heartbeats(engined):
+    """READY reached the engined that died but not its snapshot (the very instant of the
+    death, made certain here by editing the snapshot): the engine's heartbeats, which begin
+    only after its READY, make it READY under the new engined: the same process."""
+    d = engined([FLEET[1]], supervisor={"orphan_timeout": "60s"})
+    before = identity(d)
+    tree = _kill_daemon(d)
+    try:
+        path = d.runtime_dir / "state.json"
+        saved = json.loads(path.read_text())
+        for r in saved["replicas"]:
+            r["state"], r["process"]["ready_ago_s"], r["process"]["ready"] = "STARTING", None, None
+        path.write_text(json.dumps(saved))
+        d.expect_unclean_exit = False
+        d.start()
+        d.wait_state("ex-0", "READY", timeout_s=30)
+        assert identity(d) == before
     finally:
         d.stop()
         _cleanup(tree)
