@@ -87,6 +87,7 @@ class Finished:
     reason: str
     error: str | None = None
     stop_reason: int | None = None
+    rejected: bool = False  # an error the request itself caused (a client error)
 
 
 Event = Delta | Finished | PromptLogprobs
@@ -98,6 +99,8 @@ class Load:
     running: int  # requests being generated
     waiting: int  # admitted, not yet running
     kv_cache_usage: float | None = None  # 0..1 where the backend knows it
+    batch_limit: int | None = None  # sequences a step may take now (engine.memory)
+    oom_total: int = 0  # steps that ran out of memory
 
 
 class Backend(Protocol):

@@ -26,7 +26,7 @@ from typing import Any, Callable, NoReturn
 import msgspec
 import zmq
 
-from engined.engine import contract
+from engined.engine import contract, memory
 from engined.engine import protocol as proto
 from engined.engine.backend import Backend, EngineConfigError
 from engined.engine.build import build_backend
@@ -214,6 +214,17 @@ class EngineCoreProc:
     def build(self) -> None:
         """Lazy initialisation, inside the child: the model (and, for DP ranks, the group)."""
         self.model = build_backend(self.config, self._progress)
+        limit = self.config.memory_limit
+        if limit is not None:
+            try:
+                done = memory.apply_memory_limit(limit, self.model.device,
+                                                 sys.modules.get("torch"))
+            except memory.MemoryLimitError as exc:
+                raise EngineConfigError(str(exc)) from None
+            print(f"[memory] {self.config.name} memory_limit {limit} bytes: "
+                  + ", ".join(f"{k} {v:.0f}" if k.endswith("_bytes") else f"{k} {v:g}"
+                              for k, v in done.items()), file=sys.stderr,
+                  flush=True)
 
     # --- what the heartbeat thread reads ------------------------------------------------------
     @property
@@ -547,7 +558,10 @@ class _HeartbeatThread(threading.Thread):
                              table.ok if table else 0, table.failed if table else 0,
                              model.gpu_memory() if model is not None else [],
                              core.in_collective, table.tokens if table else 0,
-                             load.kv_cache_usage if load else None)
+                             load.kv_cache_usage if load else None,
+                             load.batch_limit if load else None,
+                             load.oom_total if load else 0,
+                             memory.headroom(cfg.memory_limit))
         try:
             self.sock.send(proto.encode(hb), zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -77,6 +77,9 @@ class Heartbeat(msgspec.Struct, tag="hb", frozen=True):
     in_collective: bool = False  # a data-parallel rank blocked waiting for its peers
     tokens: int = 0  # tokens generated so far (all requests)
     kv_cache_usage: float | None = None  # 0..1, where the backend reports it (vLLM)
+    batch_limit: int | None = None  # sequences a step may take now (lowered by an OOM)
+    oom_total: int = 0  # steps that ran out of memory and were continued (engine.memory)
+    memory_headroom: int | None = None  # bytes left under memory_limit (None: no limit)
 
 
 class Goodbye(msgspec.Struct, tag="bye", frozen=True):
@@ -284,6 +287,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     backend: str = "transformers"  # transformers | vllm (builtin:echo ignores it)
     engine_args: dict[str, Any] = {}  # passed to the backend (vLLM's EngineArgs)
     frontend_args: dict[str, Any] = {}  # vLLM's chat frontend options (tool/reasoning parsers)
+    memory_limit: int | None = None  # bytes the engine may hold once loaded (engine.memory)
 
 
 _control_encoder = msgspec.msgpack.Encoder()

@@ -183,7 +183,8 @@ class RequestTable:
         elif isinstance(event, Finished):
             if event.reason == proto.FINISH_ERROR:
                 self.active.pop(entry.msg.id, None)
-                self._reply(entry.msg, error=event.error or "the engine failed this request")
+                self._reply(entry.msg, error=event.error or "the engine failed this request",
+                            rejected=event.rejected)
                 self.failed += 1
                 return
             self._finish(entry, event.reason, event.stop_reason)

@@ -17,6 +17,7 @@ import collections
 import gc
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -39,6 +40,7 @@ from engined.engine.backend import (
     torch_gpu_memory,
 )
 from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
+from engined.engine.memory import BatchLimit, is_oom
 
 if TYPE_CHECKING:
     from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Position, Sampling
@@ -118,8 +120,12 @@ def _load(path: Path, dtype: Any, device: str) -> tuple[Any, Any]:
 class _Row:
     request: Admission
     ids: list[int] = field(default_factory=list)  # generated so far (this incarnation)
-    text_len: int = 0  # characters of decode(ids) already emitted
+    text_len: int = 0  # characters of decode(prefix + ids) already emitted
     done: bool = False
+    # a row continued after an out-of-memory step: what it had generated before (now part of
+    # request.prompt_ids), decoded with what follows so the text joins exactly
+    prefix: list[int] = field(default_factory=list)
+    continued: bool = False
 
 
 def _sampling_key(sampling: Sampling) -> Sampling:
@@ -141,7 +147,9 @@ class HFBackend:
         self.dtype = str(dtype).removeprefix("torch.")
         self.gpus = gpus
         self.max_batch_size = max_batch_size
+        self.batch = BatchLimit(max_batch_size)  # lowered by out-of-memory steps (engine.memory)
         self.waiting: collections.deque[Admission] = collections.deque()
+        self.resume: collections.deque[_Row] = collections.deque()  # cut by an OOM: go first
         self.rows: dict[str, _Row] = {}  # the batch being generated
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tokenizer))
         self.max_length = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
@@ -187,9 +195,10 @@ class HFBackend:
         if row is not None:
             row.done = True  # its row stops at the next token
         self.waiting = collections.deque(r for r in self.waiting if r.id != request_id)
+        self.resume = collections.deque(r for r in self.resume if r.request.id != request_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.waiting or self.resume)
 
     def _next_batch(self) -> list[Admission]:
         first = self.waiting[0]
@@ -200,31 +209,81 @@ class HFBackend:
         key = _sampling_key(first.sampling)
         batch = [r for r in self.waiting
                  if r.sampling.seed is None and _sampling_key(r.sampling) == key]
-        return batch[:self.max_batch_size]
+        return batch[:min(self.max_batch_size, self.batch.limit)]
+
+    def _next_rows(self) -> list[_Row]:
+        """Rows an out-of-memory step cut go first (they came from one batch: one sampling),
+        then new requests; at most the batch limit."""
+        if self.resume:
+            take = min(self.batch.limit, len(self.resume))
+            return [self.resume.popleft() for _ in range(take)]
+        batch = self._next_batch()
+        chosen = {r.id for r in batch}
+        self.waiting = collections.deque(r for r in self.waiting if r.id not in chosen)
+        return [_Row(r) for r in batch]
 
     def pending_tokens(self) -> int:
+        if self.resume:
+            return max(r.request.max_tokens for r in self.resume)
         return max((r.max_tokens for r in self._next_batch()), default=0) if self.waiting else 0
 
     def load(self) -> Load:
         return Load(running=sum(1 for r in self.rows.values() if not r.done),
-                    waiting=len(self.waiting))
+                    waiting=len(self.waiting) + len(self.resume),
+                    batch_limit=self.batch.limit, oom_total=self.batch.oom_total)
 
     def step(self, emit: Emit, on_token: Callable[[], None]) -> None:
-        """One batch of same-sampling requests through one `generate` call, streamed."""
-        batch = self._next_batch()
-        chosen = {r.id for r in batch}
-        self.waiting = collections.deque(r for r in self.waiting if r.id not in chosen)
-        self.rows = {r.id: _Row(r) for r in batch}
+        """One batch of same-sampling requests through one `generate` call, streamed. One
+        that runs out of memory frees what it held, lowers the batch limit and puts its rows
+        back first, to continue from the tokens they had (engine.memory)."""
+        rows = self._next_rows()
+        self.rows = {r.request.id: r for r in rows}
         try:
-            self._generate(batch, emit, on_token)
-            for row in self.rows.values():  # generate ended at the batch's longest max_tokens
+            try:
+                self._generate(rows, emit, on_token)
+            except Exception as exc:  # noqa: BLE001 - only memory is handled; the rest raises
+                if not is_oom(exc):
+                    raise
+                self._out_of_memory(rows, emit, exc)
+                return
+            self.batch.succeeded()
+            for row in rows:  # generate ended at the batch's longest max_tokens
                 if not row.done:
                     row.done = True
                     emit(Finished(row.request.id, "length"))
         finally:
             self.rows = {}
 
-    def _generate(self, batch: list[Admission], emit: Emit, on_token: Callable[[], None]) -> None:
+    def _out_of_memory(self, rows: list[_Row], emit: Emit, exc: BaseException) -> None:
+        gc.collect()
+        if self.torch.cuda.is_initialized():
+            self.torch.cuda.empty_cache()
+        live = [r for r in rows if not r.done]
+        self.batch.failed(len(rows))
+        print(f"[oom] a step of {len(rows)} sequence(s) ran out of memory "
+              f"({str(exc).splitlines()[0][:160]}): batch limit now {self.batch.limit}, "
+              f"{len(live)} request(s) continue", file=sys.stderr, flush=True)
+        if len(rows) == 1:
+            for row in live:  # it does not fit even alone: its own fault, said so
+                row.done = True
+                request = row.request
+                emit(Finished(request.id, "error", rejected=True, error=(
+                    f"out of memory: this request does not fit in the engine's memory even "
+                    f"alone (prompt {len(request.prompt_ids)} tokens, max_tokens "
+                    f"{request.max_tokens + len(row.prefix)}): shorten the prompt or lower "
+                    f"max_tokens")))
+            return
+        for row in reversed(live):
+            request = row.request
+            row.done = True  # this row object is finished; its continuation goes on
+            self.resume.appendleft(_Row(
+                Admission(request.id, request.prompt_ids + row.ids,
+                          request.max_tokens - len(row.ids), request.sampling,
+                          resumed=request.resumed + len(row.ids), chat=request.chat),
+                text_len=row.text_len, prefix=row.prefix + row.ids, continued=True))
+
+    def _generate(self, rows: list[_Row], emit: Emit, on_token: Callable[[], None]) -> None:
+        batch = [row.request for row in rows]
         torch = self.torch
         width = max(len(r.prompt_ids) for r in batch)
         pad = self.tokenizer.pad_token_id
@@ -245,11 +304,11 @@ class HFBackend:
                 torch.manual_seed(sampling.seed)
         if sampling.repetition_penalty != 1.0:
             kwargs["repetition_penalty"] = sampling.repetition_penalty
-        rows = [self.rows[r.id] for r in batch]
         hook = _StreamHook(self, rows, width, emit, on_token)
         with torch.inference_mode(), _RawLogits(self.model, sampling.logprobs) as raw:
             for row in rows:
-                self._prompt_logprobs(row.request, emit)
+                if not row.continued:  # a continued row had its prompt's logprobs already
+                    self._prompt_logprobs(row.request, emit)
             hook.raw = raw
             self.model.generate(input_ids=input_ids, attention_mask=mask,
                                 max_new_tokens=max(r.max_tokens for r in batch),
@@ -306,7 +365,7 @@ class HFBackend:
             emit(Finished(row.request.id, "stop", stop_reason=None if eos else token))
             return True
         row.ids.append(token)
-        full = str(self.tokenizer.decode(row.ids,
+        full = str(self.tokenizer.decode(row.prefix + row.ids,
                                          skip_special_tokens=sampling.skip_special_tokens))
         # a byte-level token may end inside a multi-byte character: hold its text back
         text = "" if full.endswith("\ufffd") else full[row.text_len:]

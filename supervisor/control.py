@@ -443,6 +443,11 @@ def engine_status(view: EngineView, sample: Sample) -> dict[str, Any]:
         "last_cleanup": view.last_cleanup or None,
         "gpus": list(view.gpus), "rss_bytes": tree.rss_bytes if tree else None,
         "queue": {"waiting": hb.waiting, "running": hb.running} if hb else None,
+        # engine.memory: the batch limit an out-of-memory step lowered, how many there were,
+        # what is left under memory_limit (None where the backend has none of it)
+        "batch_limit": hb.batch_limit if hb else None,
+        "oom_total": hb.oom_total if hb else 0,
+        "memory_headroom_bytes": hb.memory_headroom if hb else None,
         "gpu_memory": _gpu_memory(view, sample),
         "port": view.port,
         "launcher": view.launcher or None,

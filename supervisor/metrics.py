@@ -180,6 +180,11 @@ class FleetCollector:
             return
         f.running.add_metric([h.name], hb.running)
         f.waiting.add_metric([h.name], hb.waiting)
+        if hb.batch_limit is not None:
+            f.batch_limit.add_metric([h.name], hb.batch_limit)
+            f.oom.add_metric([h.name], hb.oom_total)
+        if hb.memory_headroom is not None:
+            f.headroom.add_metric([h.name], hb.memory_headroom)
         for mem in hb.gpu_memory:
             labels = [h.name, str(mem.gpu)]
             f.gpu_allocated.add_metric(labels, mem.allocated_bytes)
@@ -241,6 +246,15 @@ class _Families:
                                          "Requests in the batch being computed", labels=e)
         self.waiting = GaugeMetricFamily("engined_engine_requests_waiting",
                                          "Requests queued in the engine", labels=e)
+        self.batch_limit = GaugeMetricFamily(
+            "engined_engine_batch_limit", "Sequences one step may take now (lowered by an "
+            "out-of-memory step, grown back as steps succeed)", labels=e)
+        self.oom = CounterMetricFamily(
+            "engined_engine_oom", "Steps that ran out of memory and were continued with a "
+            "smaller batch (the current incarnation's)", labels=e)
+        self.headroom = GaugeMetricFamily(
+            "engined_engine_memory_headroom_bytes", "Memory the engine may still take under "
+            "its memory_limit", labels=e)
 
     def all(self) -> Iterator[Metric]:
         return iter(vars(self).values())

@@ -392,9 +392,7 @@ class Replica:
         now = self.clock.monotonic()
         if isinstance(msg, proto.Heartbeat):
             if self.state is EngineState.STARTING and inc.adopted_at is not None:
-                # Adopted while loading (after a crash): an engine heartbeats only once it has
-                # sent READY, which the engined that died may have taken with it.
-                reattached(self)
+                reattached(self)  # adopted loading: it heartbeats only once past its READY
             if inc.on_heartbeat(msg, now):  # work began: the stall deadline may now come first
                 self.intent.wakeup.set()
             # Otherwise a heartbeat only moves deadlines later: the watcher re-checks at the old
@@ -437,6 +435,7 @@ class Replica:
             replicas=spec.replicas, incarnation=number, model=spec.model.source,
             dtype=spec.model.dtype, gpus=list(spec.gpus), data_parallel=spec.data_parallel,
             max_batch_size=spec.max_batch_size, threads=spec.threads,
+            memory_limit=spec.memory_limit,
             control_endpoint=deps.control_endpoint, request_endpoint=deps.request_endpoint,
             heartbeat_interval_s=deps.heartbeat_interval_s, rendezvous=self.owner.rendezvous,
             python=spec.python, backend=spec.backend,

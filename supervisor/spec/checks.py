@@ -191,6 +191,16 @@ def _size(low: int, high: int) -> _Check:
     return check
 
 
+def _optional_size(low: int, high: int) -> _Check:
+    """A size (`_size`), or null for none."""
+    inner = _size(low, high)
+
+    def check(problems: _Problems, value: Any, path: str) -> Any:
+        return None if value is None else inner(problems, value, path)
+
+    return check
+
+
 def _bool(problems: _Problems, value: Any, path: str) -> Any:
     if not isinstance(value, bool):
         return problems.add(path, f"must be true or false, got {_describe(value)}")

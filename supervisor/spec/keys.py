@@ -46,6 +46,7 @@ from engined.supervisor.spec.checks import (
     _jitter,
     _model,
     _openai,
+    _optional_size,
     _optional_text,
     _port,
     _probe,
@@ -286,6 +287,10 @@ KEYS: tuple[Key, ...] = (
         default=0),
     Key("max_batch_size", _SET, _int_in(1, 4096), "max_batch_size",
         "requests batched per busy-loop iteration", Shown("batch", "max_batch_size {}")),
+    Key("memory_limit", _SET, _optional_size(1 << 20, 1 << 50), "memory_limit",
+        "the most memory the engine may hold, its model included (resident memory on a CPU, "
+        "device memory on a GPU); a step past it shrinks the batch instead of killing the "
+        "engine; null: none", child_only=True),
     Key("threads", _SET, _int_in(1, 1024), "threads",
         "torch / OpenMP threads per child, so replicas don't oversubscribe the CPU",
         Shown("batch", "threads {}")),

@@ -112,6 +112,7 @@ class EngineSpec:
     gpus: tuple[int, ...] = ()  # physical indices: this replica's share of the group's gpus
     data_parallel: bool = False
     max_batch_size: int = 8
+    memory_limit: int | None = None  # bytes (engine.memory); None: none
     threads: int = 1
     env: tuple[tuple[str, str], ...] = ()  # sorted
     restart: str = "always"

@@ -1,0 +1,106 @@
+"""Memory that adapts, inside the engine child: a step that fails for memory shrinks the batch
+instead of killing the engine, and `memory_limit` bounds what the engine may hold.
+
+* `is_oom`: torch's OutOfMemoryError on a GPU; on a CPU the allocator's "can't allocate memory"
+  RuntimeError, or Python's MemoryError.
+* `BatchLimit`: the most sequences a step may take. An out-of-memory step of N sequences sets
+  it to N // 2 and keeps it under N (the size that failed); each step that succeeds grows it by
+  one, up to that ceiling; after REGROW_AFTER_S without another failure the ceiling is lifted
+  (the burst that failed may be gone), so the limit comes back to the spec's max_batch_size.
+* `apply_memory_limit`: on a CPU the limit is enforced after the stack and the model are loaded,
+  by RLIMIT_AS: the address space now plus the headroom the limit leaves over the resident
+  memory now. An allocation beyond it fails in the engine (an exception it catches), never in
+  the kernel's OOM killer. On a GPU it is torch's per-process memory fraction of the device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import resource
+import time
+from typing import Any
+
+OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+REGROW_AFTER_S = 30.0
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError (CUDA)
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in OOM_MARKERS)
+
+
+class BatchLimit:
+    """The most sequences one step may take, lowered by out-of-memory steps and grown back."""
+
+    def __init__(self, maximum: int, clock: Any = time.monotonic) -> None:
+        self.maximum = maximum
+        self.limit = maximum
+        self.ceiling = maximum
+        self.oom_total = 0
+        self.last_oom: float | None = None
+        self.clock = clock
+
+    def failed(self, size: int) -> None:
+        """A step of `size` sequences ran out of memory."""
+        self.oom_total += 1
+        self.last_oom = self.clock()
+        self.ceiling = max(1, size - 1)
+        self.limit = max(1, min(self.limit, size) // 2)
+
+    def succeeded(self) -> None:
+        if self.last_oom is not None and self.clock() - self.last_oom >= REGROW_AFTER_S:
+            self.ceiling, self.last_oom = self.maximum, None
+        self.limit = min(self.ceiling, self.limit + 1)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def rss_bytes() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+class MemoryLimitError(Exception):
+    """The limit is below what the loaded engine already holds (a configuration error)."""
+
+
+def apply_memory_limit(limit: int, device: str, torch: Any = None) -> dict[str, float]:
+    """Bound the engine's memory by `limit` bytes from now on; what was set, for its log."""
+    if device.startswith("cuda") and torch is not None:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        fraction = min(1.0, limit / total)
+        torch.cuda.set_per_process_memory_fraction(fraction)
+        return {"memory_limit_bytes": float(limit), "memory_fraction": fraction}
+    rss, vm = rss_bytes(), _status_kib("VmSize") * 1024
+    headroom = limit - rss
+    if headroom <= 0:
+        raise MemoryLimitError(f"memory_limit ({limit} bytes) is below what the engine holds "
+                               f"once loaded ({rss} bytes resident): raise it")
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    soft = vm + headroom
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    return {"memory_limit_bytes": float(limit), "resident_at_limit_bytes": float(rss),
+            "address_space_limit_bytes": float(soft)}
+
+
+def headroom(limit: int | None) -> int | None:
+    """Bytes the engine may still take under its limit (None: no limit)."""
+    return None if limit is None else max(0, limit - rss_bytes())
+
+
+def trim() -> bool:
+    """Give freed heap memory back to the kernel (glibc's malloc_trim(0))."""
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

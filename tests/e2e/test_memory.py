@@ -1,0 +1,113 @@
+"""Memory that adapts (engine.memory), through the real daemon and gateway: a tiny-llama engine
+whose `memory_limit` fits only a few of a burst's sequences runs out of memory in its steps; it
+shrinks its batch instead of dying, continues each cut request from the tokens it had delivered
+and answers all of them with the text an unlimited engine gives (greedy), counts the OOMs,
+grows its batch limit back, refuses a request that does not fit even alone with a 400 naming the
+prompt and max_tokens, and serves on. No engine restarts."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+from driver import free_port
+
+pytestmark = pytest.mark.timeout(600)
+MiB = 1 << 20
+HEADROOM = 40 * MiB  # over what the engine holds once loaded: a few of the burst's sequences
+BURST = 32
+PROMPTS = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 12
+           for i in range(BURST)]
+
+
+def _engine(name: str, cache: Path, **extra: object) -> dict:
+    return {"name": name, "model": "builtin:tiny-llama", "max_batch_size": 8,
+            "launcher": "exec", "stall_timeout": "120s", "env": {"ENGINED_CACHE_DIR": str(cache)},
+            **extra}
+
+
+def _burst(client: openai.OpenAI, model: str) -> list[str]:
+    def one(prompt: str) -> str:
+        return client.completions.create(model=model, prompt=prompt, max_tokens=200,
+                                         temperature=0).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
+        return list(pool.map(one, PROMPTS))
+
+
+def _metric(port: int, name: str) -> float | None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _resident_at_limit(d, name: str, incarnation: int) -> int:
+    """What the engine held once loaded, from its `[memory]` line (engine.memory)."""
+    def found() -> int | None:
+        log = d.log_text(name).split("spawned pid")[incarnation:]
+        hit = re.search(r"resident_at_limit_bytes (\d+)", "".join(log))
+        return int(hit.group(1)) if hit else None
+    return d.wait_for(found, 300, f"{name}'s [memory] line")
+
+
+def test_an_engine_out_of_memory_shrinks_its_batch_and_loses_nothing(engined, tiny_cache):
+    gateway, http = free_port(), free_port()
+    # first with a limit far above need: the reference answers (nothing runs out of memory),
+    # and what the engine holds once loaded, to set the real limit from
+    d = engined([_engine("lim", tiny_cache, memory_limit="4GiB")], supervisor={
+        "gateway": f"127.0.0.1:{gateway}", "http": f"127.0.0.1:{http}",
+        "heartbeat_interval": "0.2s", "heartbeat_timeout": "60s"}, ready=False)
+    d.wait_all_ready(300)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway}/v1", api_key="none",
+                           max_retries=0, timeout=600)
+    reference = _burst(client, "lim")
+    assert d.engine("lim-0")["oom_total"] == 0 and d.engine("lim-0")["batch_limit"] == 8
+    loaded = _resident_at_limit(d, "lim-0", 1)
+
+    spec = yaml.safe_load(d.spec_path.read_text())
+    spec["engines"][0]["memory_limit"] = loaded + HEADROOM
+    d.spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    assert d.ctl("reload").returncode == 0  # a changed engine: its replica restarts with it
+    d.wait_state("lim-0", "READY", timeout_s=300, where=lambda e: e["incarnation"] == 2)
+    print(f"loaded {loaded / MiB:.1f} MiB, then {_resident_at_limit(d, 'lim-0', 2) / MiB:.1f} "
+          f"MiB under a limit of {(loaded + HEADROOM) / MiB:.1f} MiB")
+    restarts = d.engine("lim-0")["restarts"]
+
+    limited = _burst(client, "lim")
+    assert limited == reference  # every request answered, each with the unlimited text
+    e = d.engine("lim-0")
+    assert e["restarts"] == restarts and e["incarnation"] == 2, e
+    assert e["oom_total"] >= 1, (e, d.log_text("lim-0")[-2000:])
+    assert "[oom] a step of" in d.log_text("lim-0")
+    assert e["memory_headroom_bytes"] is not None
+    assert _metric(http, 'engined_engine_oom_total{engine="lim-0"}') == e["oom_total"]
+
+    # the limit comes back once steps succeed and the failure is old (engine.memory)
+    d.wait_for(lambda: (client.completions.create(model="lim", prompt="hi", max_tokens=2,
+                                                  temperature=0)
+                        and d.engine("lim-0")["batch_limit"] == 8), 120,
+               "the batch limit back at max_batch_size", interval_s=1.0)
+
+    # a request that cannot fit even alone: a clear client error, and the engine serves on
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="lim", prompt="fox " * 480, max_tokens=100,
+                                  temperature=0)
+    message = str(refused.value)
+    assert "out of memory" in message and "prompt" in message and "max_tokens" in message
+    again = client.completions.create(model="lim", prompt=PROMPTS[0], max_tokens=200,
+                                      temperature=0)
+    assert again.choices[0].text == reference[0]
+    assert d.engine("lim-0")["restarts"] == restarts
+
+
+def test_a_memory_limit_below_the_loaded_engine_is_a_config_error(engined, tiny_cache):
+    d = engined([_engine("small", tiny_cache, memory_limit="8MiB")], ready=False)
+    e = d.wait_state("small-0", "FAILED", timeout_s=300)
+    assert "memory_limit" in e["fail_reason"] and "raise it" in e["fail_reason"], e
+    assert e["last_exit"]["code"] == 78, e
