@@ -42,6 +42,7 @@ _COALESCE_MAX_S = 0.005
 _LONE_STARTS = 4  # this many lone requests in a row on an idle engine turn the window off
 _STALL_FAULT_S = 3600.0
 _DP_IDLE_POLL_MS = 500  # DP ranks idle here; each wake-up costs one collective
+TRIM_IDLE_S = 60.0  # an idle engine trims its heap this often (Trimmer)
 _DIST_TIMEOUT_S = 600  # collectives and rendezvous; the daemon's stall/startup limits act first
 
 
@@ -93,6 +94,23 @@ class _StopFlag:
         return self.signum is not None
 
 
+class Trimmer:
+    """Gives freed heap memory back to the kernel (engine.memory.trim: glibc's malloc_trim)
+    when a burst ends and every TRIM_IDLE_S while idle: a long-running engine's RSS otherwise
+    keeps the high-water mark of its largest burst. ENGINE_MALLOC_TRIM=0 turns it off (the
+    benchmark's comparison)."""
+
+    def __init__(self) -> None:
+        self.enabled = os.environ.get("ENGINE_MALLOC_TRIM", "1") != "0"
+        self.last = time.monotonic()
+        self.count = 0
+
+    def after(self, burst_ended: bool, idle: bool, now: float) -> None:
+        if self.enabled and (burst_ended or idle and now - self.last >= TRIM_IDLE_S):
+            memory.trim()
+            self.last, self.count = now, self.count + 1
+
+
 class BurstWindow:
     """Whether work reaching an idle engine waits for the rest of its burst (`_coalesce`).
 
@@ -139,6 +157,7 @@ class EngineCoreProc:
         self.table: RequestTable | None = None
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.control = self._socket(zmq.PUSH, config.control_endpoint)
+        self.trimmer = Trimmer()
         self.requests = self._socket(zmq.DEALER, config.request_endpoint, identity=True)
         self.iteration = 0
         self.last_iteration_at = time.monotonic()
@@ -257,6 +276,8 @@ class EngineCoreProc:
                 self._flush()
                 self.iteration += 1
                 self.last_iteration_at = time.monotonic()
+                idle = not self.busy
+                self.trimmer.after(not was_idle and idle, idle, self.last_iteration_at)
             self.table.fail_all("engine stopping")
             self._flush()
         finally:

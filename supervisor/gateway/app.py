@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engined.engine.memory import trim
 from engined.supervisor import __version__
 from engined.supervisor.gateway import responses, tokens
 from engined.supervisor.gateway.choices import Choices
@@ -50,6 +51,9 @@ OUTCOMES = ("ok", "error", "timeout", "rejected", "client_gone")
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                      120.0, 300.0)
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+TRIM_EVERY_S = 10.0  # the daemon trims its heap when the gateway goes idle, at most this often
 
 
 @dataclass
@@ -106,6 +110,7 @@ class Gateway:
         self.router, self.api_key, self.clock = router, api_key, clock
         self.stats = GatewayStats()
         self.on_counted: Callable[[], None] = lambda: None  # the state snapshot is due
+        self._trimmed_at = float("-inf")
         self.channels = channels
         self.relay = Relay(router, channels, clock, on_move=self._moved)
         self.choices = Choices(self.relay, clock, self._first)
@@ -324,6 +329,9 @@ class Gateway:
             self.active -= 1
             if not self.active:
                 self._idle.set()
+                if self.clock() - self._trimmed_at >= TRIM_EVERY_S:  # a burst ended: give the
+                    self._trimmed_at = self.clock()  # heap it grew back (glibc malloc_trim)
+                    trim()
             self.stats.requests[(label, outcome)] += 1
             self.on_counted()
             self.stats.observe(self.stats.latency, label, self.clock() - started)

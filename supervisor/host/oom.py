@@ -4,7 +4,8 @@ An unexpected SIGKILL is often the OOM killer, but as often a person's `kill -9`
 "out of memory" only when the kernel log names the pid (`Killed process 1234`, `oom-kill:...,
 pid=1234`; /dev/kmsg, where readable) or, without a readable kernel log, when the OOM-kill counter
 of engined's memory cgroup moved since it last looked (cgroup v2 `memory.events`, v1
-`memory.oom_control`: `oom_kill N`). Reads are small and bounded: they run once per unexpected
+`memory.oom_control`: `oom_kill N`) or, without that either, when the host's OOM-kill counter
+(/proc/vmstat `oom_kill`) moved. Reads are small and bounded: they run once per unexpected
 SIGKILL, on the event loop.
 """
 
@@ -74,26 +75,38 @@ def cgroup_counter_file(proc_cgroup: str = "/proc/self/cgroup",
     return None
 
 
-class OomWitness:
-    """`killed(pid)`: True only with evidence that the OOM killer killed that pid."""
+VMSTAT = "/proc/vmstat"  # `oom_kill N`: the host's OOM kills since boot (Linux 4.13+)
 
-    def __init__(self, kmsg: str = KMSG, counter: Path | None | bool = True) -> None:
+
+class OomWitness:
+    """`killed(pid)`: True only with evidence that the OOM killer killed that pid: the kernel
+    log naming it; without a readable log, engined's memory cgroup's OOM-kill counter having
+    moved; without that either, the host's (/proc/vmstat `oom_kill`) having moved."""
+
+    def __init__(self, kmsg: str = KMSG, counter: Path | None | bool = True,
+                 vmstat: Path | None = Path(VMSTAT)) -> None:
         self.kmsg = kmsg
         self.counter = cgroup_counter_file() if counter is True else counter or None
-        self._count = self._read_count()
+        self.vmstat = vmstat
+        self._count = self._read_count(self.counter)
+        self._host = self._read_count(self.vmstat)
 
-    def _read_count(self) -> int | None:
-        if self.counter is None:
+    @staticmethod
+    def _read_count(path: Path | None) -> int | None:
+        if path is None:
             return None
         try:
-            match = _COUNTER.search(self.counter.read_bytes())
+            match = _COUNTER.search(path.read_bytes())
         except OSError:
             return None
         return int(match.group(1)) if match else None
 
     def killed(self, pid: int) -> bool:
-        before, self._count = self._count, self._read_count()
+        before, self._count = self._count, self._read_count(self.counter)
+        host_before, self._host = self._host, self._read_count(self.vmstat)
         records = read_kmsg(self.kmsg)
         if records is not None:
             return pid in oom_pids_in(records)
-        return before is not None and self._count is not None and self._count > before
+        if before is not None and self._count is not None:
+            return self._count > before
+        return host_before is not None and self._host is not None and self._host > host_before

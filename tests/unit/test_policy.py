@@ -83,7 +83,18 @@ def test_oom_evidence_from_the_kernel_log_names_the_pid(tmp_path):
     counter.write_text("low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\n")
     assert witness.killed(5)  # it moved since the last look
     assert not witness.killed(5)  # and not again
-    assert not OomWitness(kmsg=no_log, counter=None).killed(5)  # no evidence at all
+    assert not OomWitness(kmsg=no_log, counter=None, vmstat=None).killed(5)  # no evidence
+    # no kernel log, no memory cgroup: the host's OOM-kill counter (/proc/vmstat) decides
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("pgfault 10\noom_kill 7\nthp_fault_alloc 0\n")
+    host = OomWitness(kmsg=no_log, counter=None, vmstat=vmstat)
+    assert not host.killed(5)
+    vmstat.write_text("pgfault 11\noom_kill 8\nthp_fault_alloc 0\n")
+    assert host.killed(5) and not host.killed(5)
+    # a memory cgroup's counter, when there is one, is the better witness: the host's is not read
+    both = OomWitness(kmsg=no_log, counter=counter, vmstat=vmstat)
+    vmstat.write_text("oom_kill 9\n")
+    assert not both.killed(5)
 
 
 def test_wait_status_decoding():
