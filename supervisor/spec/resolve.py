@@ -299,6 +299,12 @@ def _check_backend(problems: _Problems, s: dict[str, _Located], path: str) -> No
             problems.add(f"{args_at}.{key}", f"{key} > 1 starts vLLM worker processes engined "
                                              f"would not supervise: not supported in this "
                                              f"version (run one engine per GPU instead)")
+    limit, limit_at = s["memory_limit"]
+    if backend == "vllm" and limit is not None and limit is not _BAD:
+        problems.add(limit_at or backend_at or f"{path}.memory_limit",
+                     f"memory_limit is not supported with backend: vllm in this version (its "
+                     f"steps do not adapt yet; size vLLM's KV cache with engine_args "
+                     f"gpu_memory_utilization){_for(limit_at or backend_at or path, path)}")
     dp, dp_at = s["data_parallel"]
     if backend == "vllm" and dp is True:
         problems.add(dp_at or backend_at or f"{path}.data_parallel",

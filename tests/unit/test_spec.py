@@ -436,6 +436,14 @@ RULES = [
      "gpus_per_replica: 1}]\n", "engines[0].gpus", 2, "(replicas (1) + standby (1)) x"),
     ("version: 1\nengines: [{name: a, model: builtin:echo, standby: 1}, "
      "{name: a-standby, model: builtin:echo}]\n", "engines[1].name", 2, "standby a-standby-0"),
+    ("version: 1\nengines: [{name: a, model: builtin:tiny-llama, memory_limit: 1KiB}]\n",
+     "engines[0].memory_limit", 2, "between 1048576"),
+    ("version: 1\nengines: [{name: a, model: builtin:tiny-llama, memory_limit: lots}]\n",
+     "engines[0].memory_limit", 2, "size in bytes"),
+    ("version: 1\nengines: [{name: a, model: builtin:tiny-llama, backend: vllm, "
+     "memory_limit: 2GiB}]\n", "engines[0].memory_limit", 2, "not supported with backend: vllm"),
+    ("version: 1\nengines: [{name: a, command: [/bin/true], memory_limit: 2GiB}]\n",
+     "engines[0].memory_limit", 2, "exclusive"),
 ]
 
 
