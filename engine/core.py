@@ -103,12 +103,11 @@ class Trimmer:
     def __init__(self) -> None:
         self.enabled = os.environ.get("ENGINE_MALLOC_TRIM", "1") != "0"
         self.last = time.monotonic()
-        self.count = 0
 
     def after(self, burst_ended: bool, idle: bool, now: float) -> None:
         if self.enabled and (burst_ended or idle and now - self.last >= TRIM_IDLE_S):
             memory.trim()
-            self.last, self.count = now, self.count + 1
+            self.last = now
 
 
 class BurstWindow:

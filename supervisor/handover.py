@@ -24,7 +24,6 @@ import asyncio
 import hashlib
 import logging
 import os
-import select
 import signal
 import tempfile
 import time
@@ -37,6 +36,7 @@ import msgspec
 from engined.engine import protocol as proto
 from engined.supervisor import __version__, snapshot
 from engined.supervisor.host.exits import ChildWatcher
+from engined.supervisor.host.guard import close_fds, pidfd_exited
 from engined.supervisor.host.launcher import Child
 from engined.supervisor.incarnation import Incarnation
 from engined.supervisor.logs import PipeReader
@@ -162,18 +162,17 @@ def exec_claim(replica: Replica, process: snapshot.Process) -> tuple[int | None,
     """An upgrade in place: our child (its pid cannot have been reused) with the start time
     saved, and its output pipe kept across the exec."""
     if process.output_fd is None:
-        _close(process.pidfd)
+        close_fds(process.pidfd)
         return None
     if _ours(process):
-        _close(process.pidfd)
+        close_fds(process.pidfd)
         return None, process.output_fd
-    if process.pidfd is not None and _alive(process.pidfd) and \
+    if process.pidfd is not None and not pidfd_exited(process.pidfd) and \
             snapshot.start_ticks(process.pid) == process.start_ticks:
         return process.pidfd, process.output_fd  # adopted after a crash: its pidfd proves it
     log.warning("[upgrade] %s: pid %d is not the process handed over (gone, or not our "
                 "child): starting it again", replica.name, process.pid)
-    _close(process.output_fd)
-    _close(process.pidfd)
+    close_fds(process.output_fd, process.pidfd)
     return None
 
 
@@ -261,19 +260,6 @@ def _ours(process: snapshot.Process) -> bool:
     return snapshot.parent_and_start(process.pid) == (os.getpid(), process.start_ticks)
 
 
-def _alive(pidfd: int) -> bool:
-    """A pidfd turns readable once its process has exited."""
-    return not select.select([pidfd], [], [], 0)[0]
-
-
-def _close(fd: int | None) -> None:
-    if fd is not None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
 def _last_exit(raw: dict[str, Any]) -> LastExit | None:
     try:
         return LastExit(raw.get("code"), raw.get("signal"), str(raw["reason"]),
@@ -306,7 +292,7 @@ async def wait_reattached(pending: dict[Replica, Incarnation], reachable: Any,
 def stop_orphan(process: snapshot.Process) -> None:
     """A handed-over process the new spec has no replica for: its group is told to stop (our
     child, so the reaper collects it)."""
-    _close(process.output_fd)
+    close_fds(process.output_fd)
     if _ours(process):
         for sig in (signal.SIGTERM, signal.SIGCONT):
             try:

@@ -25,7 +25,6 @@ import asyncio
 import json
 import logging
 import os
-import select
 import signal
 import socket
 import time
@@ -35,7 +34,7 @@ from typing import Callable
 
 from engined.supervisor import snapshot
 from engined.supervisor.handover import spec_digest
-from engined.supervisor.host.guard import ORPHANS_SOCKET, _mark
+from engined.supervisor.host.guard import ORPHANS_SOCKET, _mark, close_fds, pidfd_exited
 from engined.supervisor.replica import Replica
 
 log = logging.getLogger("engined")
@@ -55,16 +54,11 @@ class Orphan:
     output: str = ""
 
     def close(self) -> None:
-        for fd in (self.pidfd, self.output_fd):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        close_fds(self.pidfd, self.output_fd)
         self.pidfd = self.output_fd = None
 
     def exited(self) -> bool:
-        return self.pidfd is None or bool(select.select([self.pidfd], [], [], 0)[0])
+        return self.pidfd is None or pidfd_exited(self.pidfd)
 
     def kill(self) -> None:
         """SIGKILL its process group, only while the pidfd says it lives (its pid is its)."""
@@ -149,7 +143,6 @@ class Claimer:
     def __init__(self, orphans: dict[int, Orphan], old_pid: int) -> None:
         self.orphans = orphans
         self.old_pid = old_pid
-        self.dead: list[tuple[str, int]] = []  # (replica, pid) adopted dead
 
     def __call__(self, replica: Replica, process: snapshot.Process) -> tuple[int | None, int] | \
             None:
@@ -172,7 +165,6 @@ class Claimer:
                 orphan.close()
                 return None
         else:
-            self.dead.append((replica.name, process.pid))
             replica.log.note(f"pid {process.pid} exited while no engined was watching (engined "
                              f"pid {self.old_pid} had died); its exit status is lost")
         if orphan.output:
@@ -237,7 +229,6 @@ class Keeper:
         self.path = path
         self.capture = capture
         self.changed = changed
-        self.writes = 0
         self.failed: str | None = None
         self.closed = False
         self._writing: asyncio.Future[None] | None = None
@@ -266,7 +257,6 @@ class Keeper:
             asyncio.to_thread(snapshot.write, self.path, self.capture()))
         try:
             await asyncio.shield(self._writing)
-            self.writes += 1
             self.failed = None
         except OSError as exc:
             if self.failed is None:

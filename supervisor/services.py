@@ -139,14 +139,7 @@ class Services:
         notices.lost.subscribe(channels.on_lost)
         notices.lost.subscribe(upstream.on_lost)
         guard = GuardControl(watcher, paths.runtime_dir, sup.orphan_timeout_s)
-        tell_guard = watcher.on_change
-
-        def child_changed(pid: int, alive: bool) -> None:  # the guard is told, the snapshot due
-            if tell_guard is not None:
-                tell_guard(pid, alive)
-            changed.set()
-
-        watcher.on_change = child_changed
+        watcher.on_change.append(lambda pid, alive: changed.set())  # the snapshot is due
         return cls(clock, monitor, notifier, sampler, probes, watcher, reaper, guard, budget,
                    launcher, channels, router, fleet, events, control, upstream, gateway,
                    changed)

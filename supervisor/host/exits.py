@@ -32,7 +32,7 @@ class ChildWatcher:
 
     def __init__(self) -> None:
         self.pids: set[int] = set()
-        self.on_change: Callable[[int, bool], None] | None = None  # (pid, watched now)
+        self.on_change: list[Callable[[int, bool], None]] = []  # each called (pid, watched now)
         self.pidfds: dict[int, int] = {}  # pid -> its pidfd, while watched
         self.outputs: dict[int, int] = {}  # pid -> the read end of its output pipe
         # A fork server's engine is the daemon's child before its pid is known here: while a
@@ -66,16 +66,16 @@ class ChildWatcher:
         if output_fd is not None:
             self.outputs[pid] = output_fd
         future.add_done_callback(lambda _: self._gone(pid))
-        if self.on_change is not None:
-            self.on_change(pid, True)
+        for listener in self.on_change:
+            listener(pid, True)
         return future
 
     def _gone(self, pid: int) -> None:
         self.pids.discard(pid)
         self.pidfds.pop(pid, None)
         self.outputs.pop(pid, None)
-        if self.on_change is not None:
-            self.on_change(pid, False)
+        for listener in self.on_change:
+            listener(pid, False)
 
 
 def watch_exit(loop: asyncio.AbstractEventLoop, pid: int,

@@ -112,6 +112,21 @@ def _ticks_now() -> float:
         return float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")
 
 
+def pidfd_exited(pidfd: int) -> bool:
+    """Whether the process a pidfd names has exited (a pidfd turns readable then)."""
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
+def close_fds(*fds: int | None) -> None:
+    """Close each descriptor given (None: none), ignoring one already closed."""
+    for fd in fds:
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 OUTPUT_KEPT = 64 * 1024  # per engine, the tail of what it wrote while no engined read it
 ORPHANS_SOCKET = "orphans.sock"
 CLAIM_WAIT_S = 5.0  # a claimant that says nothing (or never acknowledges) for this long is let go
@@ -131,12 +146,7 @@ class Held:
             os.close(fd)
 
     def close(self) -> None:
-        for fd in (self.pidfd, self.output):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        close_fds(self.pidfd, self.output)
         self.pidfd = self.output = None
 
     def drain(self) -> None:
@@ -156,8 +166,8 @@ class Held:
         del self.kept[:-OUTPUT_KEPT]
 
     def check_alive(self) -> bool:
-        if self.alive and self.pidfd is not None:  # a pidfd is readable once it has exited
-            self.alive = not select.select([self.pidfd], [], [], 0)[0]
+        if self.alive and self.pidfd is not None:
+            self.alive = not pidfd_exited(self.pidfd)
         return self.alive
 
 

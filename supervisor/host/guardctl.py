@@ -45,7 +45,7 @@ class GuardControl:
         self._channel: socket.socket | None = None
         self._closing = False
         self.marks: set[str] = set()  # owner marks of engines adopted from an earlier engined
-        watcher.on_change = self._tell
+        watcher.on_change.append(self._tell)
 
     def keep(self) -> None:
         """Start the guard, and a new one whenever it dies (until `close`)."""
