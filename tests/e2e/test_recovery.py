@@ -48,6 +48,28 @@ def _kill_daemon(d) -> set[int]:
     return tree
 
 
+def _mixed_fleet(engined, orphan_timeout: str):
+    """Forked replicas, an exec'd engine and a command engine, every one READY."""
+    d = engined(FLEET[:3], ready=False, supervisor={"orphan_timeout": orphan_timeout})
+    for name in ("echo-0", "echo-1", "ex-0", "web-0"):
+        d.wait_state(name, "READY", timeout_s=30)
+    return d
+
+
+def _still_running(pids: set[int], timeout_s: float) -> list[int]:
+    """Wait (bounded) until none of `pids` runs; those that still do."""
+    alive = sorted(p for p in pids if not process_gone(p))
+    deadline = time.monotonic() + timeout_s
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if not process_gone(p)]
+    return alive
+
+
+def _wait_adopted(d, names, what: str = "every adopted engine READY") -> None:
+    d.wait_for(lambda: all(d.engine(n)["state"] == "READY" for n in names), 30, what)
+
+
 def _cleanup(pids: set[int]) -> None:
     for pid in pids:
         try:
@@ -91,8 +113,7 @@ def test_a_new_engined_adopts_every_engine_after_a_sigkill(engined):
         d.expect_unclean_exit = False
         started = time.monotonic()
         d.start()
-        d.wait_for(lambda: all(d.engine(n)["state"] == "READY" for n in before), 30,
-                   "every adopted engine READY")
+        _wait_adopted(d, before)
         print(f"adopted and READY {time.monotonic() - started:.2f}s after the new engined "
               f"started")
         assert identity(d) == before  # same processes, same start times, counts unchanged
@@ -125,12 +146,7 @@ def test_a_new_engined_adopts_every_engine_after_a_sigkill(engined):
         assert "exited while no engined" not in d.log_text("echo-0")
         # a clean stop stops the adopted engines too, and leaves nothing
         assert d.stop() == 0
-        gone = [p for p in tree if not process_gone(p)]
-        deadline = time.monotonic() + 10
-        while gone and time.monotonic() < deadline:
-            time.sleep(0.05)
-            gone = [p for p in gone if not process_gone(p)]
-        assert gone == [], gone
+        assert _still_running(tree, 10) == []
         assert not (d.runtime_dir / "state.json").exists()
     finally:
         _cleanup(tree)
@@ -159,18 +175,11 @@ def test_an_engine_that_died_unwatched_is_said_once_and_restarted(engined):
 
 
 def test_with_no_new_engined_nothing_outlives_orphan_timeout(engined):
-    d = engined(FLEET[:3], ready=False, supervisor={"orphan_timeout": "2s"})
-    for name in ("echo-0", "echo-1", "ex-0", "web-0"):
-        d.wait_state(name, "READY", timeout_s=30)
+    d = _mixed_fleet(engined, "2s")
     tree = _kill_daemon(d)
     try:
         assert any(not process_gone(p) for p in tree)  # kept for a while
-        deadline = time.monotonic() + 2 + 5
-        alive = sorted(p for p in tree if not process_gone(p))
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.1)
-            alive = sorted(p for p in alive if not process_gone(p))
-        assert alive == [], alive
+        assert _still_running(tree, 2 + 5) == []
         assert not (d.runtime_dir / "orphans.sock").exists()
     finally:
         _cleanup(tree)
@@ -211,9 +220,7 @@ def test_under_the_unit_a_crash_is_adopted_and_a_stop_leaves_nothing(engined):
     after a crash (SERVICE_RESULT=signal) ExecStopPost leaves the engines to the restarted
     engined; after a stop whose engined had to be SIGKILLed (SERVICE_RESULT=timeout) it stops
     them at once."""
-    d = engined(FLEET[:3], ready=False, supervisor={"orphan_timeout": "60s"})
-    for name in ("echo-0", "echo-1", "ex-0", "web-0"):
-        d.wait_state(name, "READY", timeout_s=30)
+    d = _mixed_fleet(engined, "60s")
     before = identity(d)
     tree = _kill_daemon(d)
     try:
@@ -221,18 +228,12 @@ def test_under_the_unit_a_crash_is_adopted_and_a_stop_leaves_nothing(engined):
         assert crashed.returncode == 0 and crashed.stdout == "", crashed
         d.expect_unclean_exit = False
         d.start()  # Restart=on-failure
-        d.wait_for(lambda: all(d.engine(n)["state"] == "READY" for n in before), 30,
-                   "the restarted engined to adopt every engine")
+        _wait_adopted(d, before, "the restarted engined to adopt every engine")
         assert identity(d) == before
         tree |= _kill_daemon(d)  # killed again, now by TimeoutStopSec's SIGKILL in a stop
         stopped = _unit_stop_post(d, "timeout")
         assert stopped.returncode == 0 and "were stopped" in stopped.stdout, stopped
-        alive = sorted(p for p in tree if not process_gone(p))
-        deadline = time.monotonic() + 10
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.05)
-            alive = [p for p in alive if not process_gone(p)]
-        assert alive == [], alive
+        assert _still_running(tree, 10) == []
         clean = _unit_stop_post(d, "success")  # nothing was waiting: said, nothing done
         assert clean.returncode == 0 and "no engines are waiting" in clean.stdout, clean
     finally:
@@ -264,21 +265,17 @@ def test_an_engine_whose_spec_changed_meanwhile_is_started_again_not_adopted(eng
 def test_engines_adopted_after_a_crash_are_kept_by_an_upgrade_in_place(engined):
     """Adopted engines are not engined's children: across an upgrade's exec their pidfds
     (the proof of them) are handed over too, so they are kept, not restarted."""
-    d = engined(FLEET[:3], ready=False, supervisor={"orphan_timeout": "60s"})
-    for name in ("echo-0", "echo-1", "ex-0", "web-0"):
-        d.wait_state(name, "READY", timeout_s=30)
+    d = _mixed_fleet(engined, "60s")
     before = identity(d)
     tree = _kill_daemon(d)
     try:
         d.expect_unclean_exit = False
         d.start()
-        d.wait_for(lambda: all(d.engine(n)["state"] == "READY" for n in before), 30,
-                   "every engine adopted")
+        _wait_adopted(d, before)
         assert identity(d) == before
         done = d.ctl("upgrade")
         assert done.returncode == 0, done.stderr
-        d.wait_for(lambda: all(d.engine(n)["state"] == "READY" for n in before), 30,
-                   "every engine READY after the upgrade")
+        _wait_adopted(d, before, "every engine READY after the upgrade")
         assert identity(d) == before
         assert d.status()["supervisor"]["handovers"] == 2
         assert d.ctl("generate", "still here").stdout.strip() == "still here"
