@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import gc
+import mmap
 import os
 import signal
 import sys
@@ -153,6 +154,7 @@ class EngineCoreProc:
         self.config = copy.deepcopy(config)
         self.stop = stop or _StopFlag()
         self.model: Backend | None = None
+        self.memory_plan: dict[str, float] = {}  # what memory_limit set (engine.memory)
         self.table: RequestTable | None = None
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.control = self._socket(zmq.PUSH, config.control_endpoint)
@@ -222,7 +224,8 @@ class EngineCoreProc:
         self._stamp()
         # READY goes where requests flow: when the daemon reads it, it can route to us.
         self._send_now(proto.Ready(cfg.name, cfg.incarnation, load_s, self.model.device,
-                                   cfg.model, self.model.dtype, self.model.gpu_memory()))
+                                   cfg.model, self.model.dtype, self.model.gpu_memory(),
+                                   self.memory_plan))
         print(f"[ready] {cfg.name} incarnation {cfg.incarnation} loaded in {load_s:.3f}s "
               f"on {self.model.device}", file=sys.stderr, flush=True)
         self._heartbeat = _HeartbeatThread(self)
@@ -234,11 +237,15 @@ class EngineCoreProc:
         self.model = build_backend(self.config, self._progress)
         limit = self.config.memory_limit
         if limit is not None:
+            if self.faults:  # `!grow`: memory mapped before the limit, touched after it
+                _BALLAST.append(mmap.mmap(-1, limit))
             try:
                 done = memory.apply_memory_limit(limit, self.model.device,
                                                  sys.modules.get("torch"))
             except memory.MemoryLimitError as exc:
                 raise EngineConfigError(str(exc)) from None
+            done.update(getattr(self.model, "sizing", {}))  # vLLM's KV cache, as sized
+            self.memory_plan = done
             print(f"[memory] {self.config.name} memory_limit {limit} bytes: "
                   + ", ".join(f"{k} {v:.0f}" if k.endswith("_bytes") else f"{k} {v:g}"
                               for k, v in done.items()), file=sys.stderr,
@@ -407,7 +414,7 @@ class EngineCoreProc:
                       file=sys.stderr, flush=True)
                 continue
             if isinstance(msg, proto.GenerateRequest):
-                if self.faults and msg.prompt.startswith(("!stall", "!raise")):
+                if self.faults and msg.prompt.startswith(("!stall", "!raise", "!grow")):
                     self._faulty.append(msg)
                 self.table.admit(msg)
             elif isinstance(msg, proto.Abort):
@@ -581,7 +588,9 @@ class _HeartbeatThread(threading.Thread):
                              load.kv_cache_usage if load else None,
                              load.batch_limit if load else None,
                              load.oom_total if load else 0,
-                             memory.headroom(cfg.memory_limit))
+                             memory.headroom(cfg.memory_limit,
+                                             model.device if model is not None else "cpu",
+                                             sys.modules.get("torch")))
         try:
             self.sock.send(proto.encode(hb), zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -620,10 +629,20 @@ def _exit_reason(code: int, stop: _StopFlag) -> str:
     return {contract.EXIT_OK: "clean", contract.EXIT_CONFIG: "config"}.get(code, "exception")
 
 
+_BALLAST: list[mmap.mmap] = []  # `!grow`'s mapping (fault injection, under memory_limit)
+
+
 def _inject_faults(requests: list[proto.GenerateRequest]) -> None:
     """`!stall`: the step wedges (the loop stops progressing, heartbeats go on); `!raise`: the
-    busy loop raises. Enabled for builtin:echo and wherever ENGINED_FAULT_INJECTION=1."""
+    busy loop raises; `!grow` (with a memory_limit): the engine's resident memory grows past its
+    limit without an allocation failing, as memory mapped before the limit (weights paged in)
+    would: every page of a mapping made before the limit is touched. Enabled for builtin:echo
+    and wherever ENGINED_FAULT_INJECTION=1."""
     for req in requests:
+        if req.prompt.startswith("!grow"):
+            for ballast in _BALLAST:
+                for offset in range(0, len(ballast), mmap.PAGESIZE):
+                    ballast[offset] = 1
         if req.prompt.startswith("!stall"):
             while True:
                 time.sleep(_STALL_FAULT_S)

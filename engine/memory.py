@@ -20,8 +20,17 @@ import resource
 import time
 from typing import Any
 
-OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+# oneDNN (torch's CPU kernels, vLLM's CPU attention) says "could not create a primitive" when
+# it cannot allocate a kernel's scratch memory
+OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory",
+               "could not create a primitive")
 REGROW_AFTER_S = 30.0
+MiB = 1 << 20
+# What a vLLM engine keeps free under its limit once its KV cache is sized (activations of a
+# step, allocator slack): the larger of this and RESERVE_FRACTION of the limit, unless
+# ENGINE_MEMORY_RESERVE (bytes) says otherwise.
+RESERVE_MIN = 64 * MiB
+RESERVE_FRACTION = 0.1
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -54,6 +63,23 @@ class BatchLimit:
         if self.last_oom is not None and self.clock() - self.last_oom >= REGROW_AFTER_S:
             self.ceiling, self.last_oom = self.maximum, None
         self.limit = min(self.ceiling, self.limit + 1)
+
+
+def reserve(limit: int) -> int:
+    """Bytes of a limit kept out of a preallocated KV cache for everything else a step takes."""
+    import os
+
+    explicit = os.environ.get("ENGINE_MEMORY_RESERVE", "")
+    if explicit.strip():
+        return max(0, int(explicit))
+    return max(RESERVE_MIN, int(limit * RESERVE_FRACTION))
+
+
+def too_large(prompt_tokens: int, max_tokens: int) -> str:
+    """The error for a request that ran out of memory alone: its own fault, said so."""
+    return (f"out of memory: this request does not fit in the engine's memory even alone "
+            f"(prompt {prompt_tokens} tokens, max_tokens {max_tokens}): shorten the prompt or "
+            f"lower max_tokens")
 
 
 def _status_kib(field: str) -> int:
@@ -93,9 +119,18 @@ def apply_memory_limit(limit: int, device: str, torch: Any = None) -> dict[str, 
             "address_space_limit_bytes": float(soft)}
 
 
-def headroom(limit: int | None) -> int | None:
-    """Bytes the engine may still take under its limit (None: no limit)."""
-    return None if limit is None else max(0, limit - rss_bytes())
+def held_bytes(device: str, torch: Any = None) -> int:
+    """What the engine holds against its limit: device memory reserved by torch on a GPU,
+    resident memory on a CPU."""
+    if device.startswith("cuda") and torch is not None and torch.cuda.is_initialized():
+        return int(torch.cuda.memory_reserved())
+    return rss_bytes()
+
+
+def headroom(limit: int | None, device: str = "cpu", torch: Any = None) -> int | None:
+    """Bytes the engine may still take under its limit, negative when it holds more than the
+    limit (the daemon restarts it for `memory` then); None: no limit."""
+    return None if limit is None else limit - held_bytes(device, torch)
 
 
 def trim() -> bool:

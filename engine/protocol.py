@@ -62,6 +62,9 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     model: str
     dtype: str
     gpu_memory: list[GpuMemory] = []
+    # what memory_limit set (engine.memory): the limit, what the engine held at it, the address
+    # space or device fraction, and for vLLM the KV cache it got
+    memory: dict[str, float] = {}
 
 
 class Heartbeat(msgspec.Struct, tag="hb", frozen=True):

@@ -40,7 +40,7 @@ from engined.engine.backend import (
     torch_gpu_memory,
 )
 from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
-from engined.engine.memory import BatchLimit, is_oom
+from engined.engine.memory import BatchLimit, is_oom, too_large
 
 if TYPE_CHECKING:
     from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Position, Sampling
@@ -267,11 +267,9 @@ class HFBackend:
             for row in live:  # it does not fit even alone: its own fault, said so
                 row.done = True
                 request = row.request
-                emit(Finished(request.id, "error", rejected=True, error=(
-                    f"out of memory: this request does not fit in the engine's memory even "
-                    f"alone (prompt {len(request.prompt_ids)} tokens, max_tokens "
-                    f"{request.max_tokens + len(row.prefix)}): shorten the prompt or lower "
-                    f"max_tokens")))
+                emit(Finished(request.id, "error", rejected=True, error=too_large(
+                    len(request.prompt_ids) - len(row.prefix),
+                    request.max_tokens + len(row.prefix))))
             return
         for row in reversed(live):
             request = row.request

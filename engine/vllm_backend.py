@@ -21,12 +21,14 @@ cache that does not fit), is an ordinary crash: restarted with backoff.
 
 from __future__ import annotations
 
+import collections
 import errno
 import gc
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -45,6 +47,7 @@ from engined.engine.backend import (
     torch_gpu_memory,
 )
 from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
+from engined.engine.memory import BatchLimit, is_oom, too_large, trim
 from engined.engine.vllm_chat import Chat, ChatFrontend
 
 if TYPE_CHECKING:
@@ -91,18 +94,24 @@ def build_vllm_backend(config: EngineConfig, progress: ProgressFn) -> VllmBacken
     except OSError as exc:
         raise EngineConfigError(f"cannot read model directory {path}: {exc}") from None
     kwargs = engine_kwargs(config, path)
+    device = _device(config)
+    if config.memory_limit is not None:
+        kwargs.update(memory_kwargs(config.memory_limit, device, torch))
     progress("weights", f"{path}: vLLM {getattr(vllm, '__version__', '?')} engine config")
     vllm_config = _engine_config(EngineArgs, kwargs)
-    device = _device(config)
     dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
     progress("weights", f"{path} ({dtype}, {device})")
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    engine = LLMEngine.from_vllm_config(vllm_config,
-                                        disable_log_stats=bool(kwargs.get("disable_log_stats")))
+    try:
+        engine = LLMEngine.from_vllm_config(
+            vllm_config, disable_log_stats=bool(kwargs.get("disable_log_stats")))
+    except ValueError as exc:
+        _kv_does_not_fit(config.memory_limit, exc)
+        raise
     for sig, handler in handlers.items():  # the core's stop flag must keep its signals
         if signal.getsignal(sig) is not handler:
             signal.signal(sig, handler)
-    built = VllmBackend(engine, device, dtype, list(config.gpus), torch)
+    built = VllmBackend(engine, device, dtype, list(config.gpus), torch, config.max_batch_size)
     built.frontend = ChatFrontend(built.tokenizer, engine.model_config, config.frontend_args)
     progress("warmup", "one short generate")
     built.warm_up()
@@ -112,9 +121,9 @@ def build_vllm_backend(config: EngineConfig, progress: ProgressFn) -> VllmBacken
 def engine_kwargs(config: EngineConfig, path: Path) -> dict[str, Any]:
     """EngineArgs keywords: the spec's engine_args, plus what engined owns (model, dtype,
     max_num_seqs) and its defaults for a supervised engine (each can be overridden)."""
-    for key, field in _OWNED_ARGS.items():
+    for key, owner in _OWNED_ARGS.items():
         if key in config.engine_args:
-            raise EngineConfigError(f"engine_args.{key} conflicts with the spec's `{field}` "
+            raise EngineConfigError(f"engine_args.{key} conflicts with the spec's `{owner}` "
                                     f"(set it there)")
     kwargs: dict[str, Any] = dict(config.engine_args)
     kwargs.update(model=str(path), dtype=config.dtype or "auto",
@@ -124,6 +133,49 @@ def engine_kwargs(config: EngineConfig, path: Path) -> dict[str, Any]:
     kwargs.setdefault("use_tqdm_on_load", False)
     kwargs.setdefault("disable_log_stats", True)  # load() reads the scheduler directly
     return kwargs
+
+
+def memory_kwargs(limit: int, device: str, torch: Any) -> dict[str, Any]:
+    """The KV budget from `memory_limit`, through vLLM's own sizing: its memory utilisation
+    (on a CPU, of the NUMA node's memory; on a GPU, of the device's) is the limit less a
+    reserve (engine.memory.reserve) over the total, and vLLM gives its KV cache whatever of
+    that the engine does not hold after loading and profiling the model."""
+    from engined.engine import memory
+
+    env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if env.strip():  # vLLM's legacy setting overrides any other sizing
+        raise EngineConfigError(f"env VLLM_CPU_KVCACHE_SPACE={env} sizes vLLM's KV cache, and so "
+                                f"does memory_limit: set one of them")
+    if device.startswith("cuda"):
+        total = int(torch.cuda.mem_get_info()[1])
+    else:
+        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+        total = int(get_memory_node_info(get_allowed_cpu_list()[0].numa_node).total_memory)
+    budget = limit - memory.reserve(limit)
+    held = memory.held_bytes(device, torch)
+    if budget <= held:
+        raise EngineConfigError(
+            f"memory_limit ({limit} bytes) leaves no room for a KV cache: less its reserve "
+            f"({limit - budget} bytes) it is {budget} bytes, and the engine holds {held} before "
+            f"its model is even loaded: raise it")
+    return {"gpu_memory_utilization": round(budget / total, 6)}
+
+
+def _kv_does_not_fit(limit: int | None, exc: ValueError) -> None:
+    """vLLM could not size a KV cache under memory_limit: a configuration error (exit 78), not a
+    crash to restart, when the limit is the cause (the engine holds it all already, or one
+    sequence of max_model_len does not fit)."""
+    from engined.engine import memory
+
+    if limit is None:
+        return
+    text = " ".join(str(exc).split())
+    held = memory.rss_bytes()
+    if held >= limit - memory.reserve(limit) or "max seq len" in text or "KV cache" in text:
+        raise EngineConfigError(f"memory_limit ({limit} bytes; the engine holds {held} after "
+                                f"loading its model) is too small for vLLM's KV cache: {text}"
+                                ) from None
 
 
 def _import(name: str) -> Any:
@@ -193,12 +245,50 @@ def _finish_reason(reason: object) -> str:
     return proto.FINISH_ERROR
 
 
+@dataclass
+class _Seq:
+    """A request inside vLLM. One that an out-of-memory step cut is re-added as a continuation:
+    its prompt then ends with what it had delivered (`prefix`), and its text is decoded here
+    over prefix + ids so that it joins what was sent exactly (a character split across the cut
+    included)."""
+
+    request: Admission
+    ids: list[int] = field(default_factory=list)  # generated by this vLLM request
+    text_len: int = 0  # characters of the request's text delivered so far, prefix included
+    prefix: list[int] = field(default_factory=list)
+
+    def text(self, ids: list[int], vllm_text: str,
+             decode: Callable[[list[int], bool], str]) -> str:
+        """The new text for `ids`: vLLM's own, or for a continuation decoded over it all."""
+        self.ids.extend(ids)
+        if not self.prefix:
+            self.text_len += len(vllm_text)
+            return vllm_text
+        r = self.request
+        skip = r.chat.skip_special_tokens if r.chat is not None else r.sampling.skip_special_tokens
+        full = decode(self.prefix + self.ids, skip)
+        if full.endswith("\ufffd"):  # a byte-level token inside a character: hold it back
+            return ""
+        text, self.text_len = full[self.text_len:], len(full)
+        return text
+
+    def continuation(self) -> _Seq:
+        import msgspec
+
+        r = self.request
+        # its prompt's logprobs went out with its first output: not again
+        sampling = msgspec.structs.replace(r.sampling, prompt_logprobs=None)
+        return _Seq(Admission(r.id, r.prompt_ids + self.ids, r.max_tokens - len(self.ids),
+                              sampling, resumed=r.resumed + len(self.ids), chat=r.chat),
+                    text_len=self.text_len, prefix=self.prefix + self.ids)
+
+
 class VllmBackend:
     # requests join a running batch at every step, but a burst split over two costs one more
     burst_window = True
 
     def __init__(self, engine: Any, device: str, dtype: str, gpus: list[int],
-                 torch: Any) -> None:
+                 torch: Any, max_batch_size: int = 1 << 30) -> None:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -213,11 +303,28 @@ class VllmBackend:
         # for the heartbeat thread's load(): plain reads (len of lists, a usage ratio)
         self.scheduler: Any = getattr(getattr(engine.engine_core, "engine_core", None),
                                       "scheduler", None)
-        self.live: set[str] = set()  # added and neither finished nor aborted
+        self.live: dict[str, _Seq] = {}  # added and neither finished nor aborted
+        # Under a batch limit lowered by an out-of-memory step (engine.memory), requests wait
+        # here, in front of vLLM's scheduler; cut requests first. At its maximum, vLLM's own
+        # max_num_seqs and KV preemption decide alone.
+        self.batch = BatchLimit(max_batch_size)
+        self.held: collections.deque[_Seq] = collections.deque()
         self._structured_types = _structured_types()  # imported now, not in a step
         self.frontend: ChatFrontend | None = None  # vLLM's chat frontend (spec frontend_args)
 
     # --- tokens ------------------------------------------------------------------------------
+    @property
+    def sizing(self) -> dict[str, float]:
+        """How vLLM sized its KV cache: its memory utilisation and the cache it allocated."""
+        out = {"gpu_memory_utilization":
+               float(self.engine.vllm_config.cache_config.gpu_memory_utilization)}
+        try:
+            tensors = self.scheduler.kv_cache_config.kv_cache_tensors
+            out["kv_cache_bytes"] = float(sum(int(t.size) for t in tensors))
+        except AttributeError:
+            pass
+        return out
+
     @property
     def max_model_len(self) -> int:
         return int(self.engine.model_config.max_model_len)
@@ -249,6 +356,24 @@ class VllmBackend:
 
     # --- requests ----------------------------------------------------------------------------
     def add(self, request: Admission) -> None:
+        if self.held or not self._room():
+            self.held.append(_Seq(request))
+            return
+        self._submit(_Seq(request))
+
+    def _room(self) -> bool:
+        return self.batch.limit >= self.batch.maximum or len(self.live) < self.batch.limit
+
+    def _admit_held(self, emit: Emit) -> None:
+        while self.held and self._room():
+            seq = self.held.popleft()
+            try:
+                self._submit(seq)
+            except RequestRejected as exc:
+                emit(Finished(seq.request.id, "error", error=str(exc), rejected=True))
+
+    def _submit(self, seq: _Seq) -> None:
+        request = seq.request
         s = request.sampling
         try:
             params = self._sampling_params(
@@ -268,7 +393,7 @@ class VllmBackend:
                                     params)
         except self._rejections as exc:  # vLLM's validation: too long, bad token id, ...
             raise RequestRejected(" ".join(str(exc).split()) or type(exc).__name__) from None
-        self.live.add(request.id)
+        self.live[request.id] = seq
 
     def _structured(self, s: Sampling) -> Any:
         """vLLM's StructuredOutputsParams from the request's response_format and
@@ -284,25 +409,40 @@ class VllmBackend:
         return combine(params, response_format)
 
     def abort(self, request_id: str) -> None:
-        if request_id in self.live:
-            self.live.discard(request_id)
+        if self.live.pop(request_id, None) is not None:
             self.engine.abort_request([request_id])  # no output follows for it
+        if self.held:
+            self.held = collections.deque(q for q in self.held if q.request.id != request_id)
 
     def has_work(self) -> bool:
-        return bool(self.live)
+        return bool(self.live or self.held)
 
     def pending_tokens(self) -> int:
-        return 1 if self.live else 0  # one token position per step (no data parallel here)
+        # one token position per step (no data parallel here)
+        return 1 if self.live or self.held else 0
 
     def step(self, emit: Emit, on_token: Callable[[], None]) -> None:
-        """One vLLM step: a token for every running request (prefill for new ones)."""
-        for out in self.engine.step():
+        """One vLLM step: a token for every running request (prefill for new ones). One that
+        runs out of memory cuts every running request and continues it (engine.memory)."""
+        self._admit_held(emit)
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - only memory is handled; the rest raises
+            if not is_oom(exc):
+                raise
+            self._out_of_memory(emit, exc)
+            return
+        if self.live:
+            self.batch.succeeded()
+        for out in outputs:
             request_id = out.request_id  # the id we gave (vLLM's internal one has a suffix)
-            if request_id not in self.live:
+            seq = self.live.get(request_id)
+            if seq is None:
                 continue  # aborted (vLLM sends nothing more for those; defensive)
             completion = out.outputs[0] if out.outputs else None
             ids = list(completion.token_ids) if completion is not None else []
-            text = completion.text if completion is not None else ""
+            text = seq.text(ids, completion.text if completion is not None else "",
+                            self._decode)
             logprobs = _positions(getattr(completion, "logprobs", None))
             if getattr(out, "prompt_logprobs", None):  # with the first output only
                 prompt = _positions(out.prompt_logprobs) or []
@@ -318,8 +458,7 @@ class VllmBackend:
                 # stop_token_ids): that token is the last id, with its logprobs and no text, as
                 # vLLM's server counts and shows it
                 emit(Delta(request_id, ids, text, logprobs))  # may abort it (a stop string)
-            if reason is not None and request_id in self.live:
-                self.live.discard(request_id)
+            if reason is not None and self.live.pop(request_id, None) is not None:
                 stop_reason = getattr(completion, "stop_reason", None)
                 emit(Finished(request_id, reason, stop_reason=stop_reason if isinstance(
                     stop_reason, int) and not isinstance(stop_reason, bool) else None))
@@ -327,18 +466,56 @@ class VllmBackend:
         if self.live and not self.engine.has_unfinished_requests():
             # vLLM dropped requests without a final output: never leave them waiting forever
             for request_id in sorted(self.live):
-                self.live.discard(request_id)
+                del self.live[request_id]
                 emit(Finished(request_id, "error",
                               error="vLLM dropped the request without a final output"))
 
+    def _out_of_memory(self, emit: Emit, exc: BaseException) -> None:
+        """vLLM's step ran out of memory (outside its KV pool: the KV cache is preallocated).
+        Every request in it is aborted in vLLM, which frees its blocks; the batch limit drops,
+        and each request continues from the tokens it had delivered, first in line. One that
+        was alone fails: it does not fit."""
+        cut = list(self.live.values())
+        running = len(cut)  # what the failed step held: vLLM's running requests, not its queue
+        try:
+            running = max(1, min(running, int(self.scheduler.get_request_counts()[0])))
+        except Exception:  # noqa: BLE001 - the count is a refinement; all of them otherwise
+            pass
+        self.live.clear()
+        self.engine.abort_request([seq.request.id for seq in cut])
+        # vLLM registers a block in its prefix cache when it schedules it, before the forward
+        # that fills it: blocks of the failed step would be reused with nothing in them
+        self.engine.reset_prefix_cache()
+        gc.collect()
+        trim()  # address space freed by the failed step goes back: the limit is on it
+        if self.torch.cuda.is_initialized():
+            self.torch.cuda.empty_cache()
+        self.batch.failed(running)
+        print(f"[oom] a vLLM step of {running} sequence(s) ran out of memory "
+              f"({str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}): "
+              f"batch limit now {self.batch.limit}", file=sys.stderr, flush=True)
+        if len(cut) == 1:
+            request = cut[0].request
+            emit(Finished(request.id, "error", rejected=True, error=too_large(
+                len(request.prompt_ids) - len(cut[0].prefix),
+                request.max_tokens + len(cut[0].prefix))))
+            return
+        self.held.extendleft(seq.continuation() for seq in reversed(cut))
+
+    def _decode(self, ids: list[int], skip_special: bool) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special))
+
     def load(self) -> Load:
         """Read by the heartbeat thread: never raises."""
+        batch = self.batch
         try:
             running, waiting = self.scheduler.get_request_counts()
-            return Load(running=int(running), waiting=int(waiting),
-                        kv_cache_usage=float(self.scheduler.get_kv_cache_usage()))
+            return Load(running=int(running), waiting=int(waiting) + len(self.held),
+                        kv_cache_usage=float(self.scheduler.get_kv_cache_usage()),
+                        batch_limit=batch.limit, oom_total=batch.oom_total)
         except Exception:  # noqa: BLE001 - a heartbeat must go out whatever vLLM's state
-            return Load(running=len(self.live), waiting=0)
+            return Load(running=len(self.live), waiting=len(self.held),
+                        batch_limit=batch.limit, oom_total=batch.oom_total)
 
     def warm_up(self) -> None:
         from engined.engine.protocol import Sampling
@@ -370,6 +547,7 @@ class VllmBackend:
         started = time.monotonic()
         engine, self.engine, self.scheduler = self.engine, None, None
         self.live.clear()
+        self.held.clear()
         if engine is not None:
             try:
                 engine.engine_core.shutdown()

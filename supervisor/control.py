@@ -446,7 +446,8 @@ def engine_status(view: EngineView, sample: Sample) -> dict[str, Any]:
         # engine.memory: the batch limit an out-of-memory step lowered, how many there were,
         # what is left under memory_limit (None where the backend has none of it)
         "batch_limit": hb.batch_limit if hb else None,
-        "oom_total": hb.oom_total if hb else 0,
+        "oom_total": view.oom_total,  # every incarnation's
+        "memory": dict(ready.memory) if ready and ready.memory else None,
         "memory_headroom_bytes": hb.memory_headroom if hb else None,
         "gpu_memory": _gpu_memory(view, sample),
         "port": view.port,

@@ -70,6 +70,7 @@ def capture(replicas: Iterable[Replica], now_mono: float,
             requests=dict(history.requests),
             last_exit=history.last_exit.to_json() if history.last_exit else None,
             startup_s=history.startup_s, cpu_seconds_exited=history.cpu_seconds_exited,
+            oom_exited=history.oom_exited,
             fail_reason=replica.fail_reason,
             restart_in_s=(replica.intent.spawn_due - now_mono
                           if replica.intent.spawn_due is not None else None),
@@ -193,6 +194,7 @@ def restore(replica: Replica, saved: snapshot.Replica, watcher: ChildWatcher,
         history.last_exit = _last_exit(saved.last_exit)
     history.startup_s = saved.startup_s
     history.cpu_seconds_exited = saved.cpu_seconds_exited
+    history.oom_exited = saved.oom_exited
     replica.incarnation = saved.incarnation
     replica.desired = Desired(saved.desired)
     replica.owner.resume_failures(replica, FailureHistory(

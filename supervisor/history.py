@@ -61,12 +61,13 @@ class History:
     startup_s: float | None = None
     cleanup: dict[str, float] = field(default_factory=dict)
     cpu_seconds_exited: float = 0.0
+    oom_exited: int = 0  # out-of-memory steps of earlier incarnations (engine.memory)
 
     def view_fields(self) -> dict[str, Any]:
         return {"restarts_by_reason": tuple((r.value, n) for r, n in self.restarts.items()),
                 "startup_s": self.startup_s, "last_exit": self.last_exit,
                 "last_cleanup": dict(self.cleanup),
-                "cpu_seconds_exited": self.cpu_seconds_exited,
+                "cpu_seconds_exited": self.cpu_seconds_exited, "oom_exited": self.oom_exited,
                 "requests": tuple(self.requests.items())}
 
     def exited(self, inc: Incarnation, record: ExitRecord, killed_for: Reason | None,
@@ -75,6 +76,8 @@ class History:
         assert inc.child is not None
         status, pid = record.status, inc.child.pid
         self.cpu_seconds_exited += record.cpu_seconds
+        last = inc.vitals.heartbeat if inc.vitals is not None else None
+        self.oom_exited += last.oom_total if last is not None else 0
         expected = requested or killed_for is not None
         oom_kill = (not expected and status.signal == signal.SIGKILL and oom is not None
                     and oom.killed(pid))

@@ -38,6 +38,7 @@ class Vitals:
     ready_at: float | None = None
     phase: str = "spawned"
     cleanup_at: float | None = None  # the child announced its cleanup: it is exiting
+    over_limit_since: float | None = None  # its heartbeats say it holds more than memory_limit
 
     @property
     def busy(self) -> bool:
@@ -110,9 +111,14 @@ class Incarnation:
         """True when work just began: the stall deadline may now come first."""
         vitals = self.vitals
         assert vitals is not None
-        was_busy = vitals.busy
+        was_busy, was_over = vitals.busy, vitals.over_limit_since is not None
         vitals.heartbeat_at, vitals.heartbeat = now, msg
-        return vitals.busy and not was_busy
+        over = msg.memory_headroom is not None and msg.memory_headroom < 0
+        if over and not was_over:
+            vitals.over_limit_since = now
+        elif not over:
+            vitals.over_limit_since = None
+        return (vitals.busy and not was_busy) or (over and not was_over)
 
     def on_progress(self, msg: proto.Progress, now: float, starting: bool) -> None:
         vitals = self.vitals
@@ -165,7 +171,8 @@ class Incarnation:
                         heartbeat_timeout_s=self.liveness.heartbeat_timeout_s,
                         last_iteration_at=hb.last_iteration_at if hb else last_seen,
                         work_queued=vitals.busy, stall_timeout_s=stall_timeout_s,
-                        pauses=pauses, judge_after=judge_after)
+                        pauses=pauses, judge_after=judge_after,
+                        over_limit_since=vitals.over_limit_since)
 
     # --- signals -------------------------------------------------------------------------------
     def terminate(self, now: float, stop_timeout_s: float, deadline: float | None) -> None:

@@ -182,7 +182,7 @@ class FleetCollector:
         f.waiting.add_metric([h.name], hb.waiting)
         if hb.batch_limit is not None:
             f.batch_limit.add_metric([h.name], hb.batch_limit)
-            f.oom.add_metric([h.name], hb.oom_total)
+            f.oom.add_metric([h.name], h.oom_total)
         if hb.memory_headroom is not None:
             f.headroom.add_metric([h.name], hb.memory_headroom)
         for mem in hb.gpu_memory:

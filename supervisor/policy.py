@@ -26,6 +26,7 @@ class Reason(enum.Enum):
     SIGNAL = "signal"
     HANG = "hang"
     STALL = "stall"
+    MEMORY = "memory"  # held more than its memory_limit (engine.memory)
     STARTUP_TIMEOUT = "startup_timeout"
     GROUP = "group"
     MANUAL = "manual"
@@ -246,6 +247,13 @@ class Liveness:
     stall_timeout_s: float
     pauses: Pauses = NO_PAUSES  # the daemon's own pauses: every deadline moves back by them
     judge_after: float = float("-inf")  # no verdict before (right after a pause of the daemon)
+    over_limit_since: float | None = None  # its heartbeats say it holds more than memory_limit
+
+
+# An engine over its memory_limit for this long (every heartbeat meanwhile saying so) is
+# restarted with the reason `memory`: longer than a step's passing peak, far shorter than the
+# kernel's OOM killer takes to find it
+MEMORY_GRACE_S = 3.0
 
 
 def check_liveness(now: float, live: Liveness) -> tuple[Reason | None, float]:
@@ -260,6 +268,12 @@ def check_liveness(now: float, live: Liveness) -> tuple[Reason | None, float]:
     hb_deadline = last_seen + live.heartbeat_timeout_s + pauses.after(last_seen)
     if reached(now, hb_deadline):
         return Reason.HANG, hb_deadline
+    if live.over_limit_since is not None:
+        over = live.over_limit_since
+        memory_deadline = over + MEMORY_GRACE_S + pauses.after(over)
+        if reached(now, memory_deadline):
+            return Reason.MEMORY, memory_deadline
+        hb_deadline = min(hb_deadline, memory_deadline)
     if live.work_queued:
         last_step = live.last_iteration_at
         stall_deadline = last_step + live.stall_timeout_s + pauses.after(last_step)

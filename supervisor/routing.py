@@ -139,15 +139,19 @@ class Router:
 
     def pick(self, replicas: Iterable[Replica], named: bool = False,
              avoid: Container[Incarnation] = ()) -> Lease | None:
-        """The least loaded routable replica of `replicas` (round-robin among equals), leased.
+        """The least loaded routable replica of `replicas` (round-robin among equals), leased;
+        one with memory to spare before one without (`memory_pressed`).
         `avoid`: incarnations this request was lost on, while liveness may still be deciding
         about them (LostOn)."""
         candidates = [(r, inc) for r in replicas
                       if (inc := self.routable(r, named)) is not None and inc not in avoid]
         if not candidates:
             return None
-        least = min(self._load[inc] for _, inc in candidates)
-        ties = [pair for pair in candidates if self._load[pair[1]] == least]
+
+        def key(pair: tuple[Replica, Incarnation]) -> tuple[bool, int]:
+            return memory_pressed(pair[1], pair[0].spec.max_batch_size), self._load[pair[1]]
+        least = min(key(pair) for pair in candidates)
+        ties = [pair for pair in candidates if key(pair) == least]
         replica, inc = ties[next(self._turn) % len(ties)]
         self._load[inc] += 1
         return Lease(replica, inc)
@@ -249,3 +253,13 @@ class Router:
             except asyncio.TimeoutError:
                 pass
         return self.load(replica)
+
+
+def memory_pressed(inc: Incarnation, max_batch_size: int) -> bool:
+    """Its last heartbeat says it is short of memory (engine.memory): an out-of-memory step
+    lowered its batch limit, or it holds all its memory_limit. Its siblings go first."""
+    hb = inc.vitals.heartbeat if inc.vitals is not None else None
+    if hb is None:
+        return False
+    lowered = hb.batch_limit is not None and hb.batch_limit < max_batch_size
+    return lowered or (hb.memory_headroom is not None and hb.memory_headroom <= 0)

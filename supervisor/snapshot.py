@@ -65,6 +65,7 @@ class Replica(Struct, kw_only=True):
     last_exit: dict[str, Any] | None = None
     startup_s: float | None = None
     cpu_seconds_exited: float = 0.0
+    oom_exited: int = 0  # earlier incarnations' out-of-memory steps
     fail_reason: str = ""
     restart_in_s: float | None = None  # a backoff's respawn, from the snapshot's time
     restart_reason: str | None = None  # what that respawn counts as (Reason's value)

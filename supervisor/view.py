@@ -63,6 +63,13 @@ class EngineView:
     launcher: str = ""  # what started the current (or last) incarnation, and why not forked
     standby: bool = False  # a warm spare of its group: not routed, not counted as serving
     adopted_at: float | None = None  # its process was handed over by an engined upgrade (unix)
+    oom_exited: int = 0  # earlier incarnations' out-of-memory steps (the counter never goes back)
+
+    @property
+    def oom_total(self) -> int:
+        """Out-of-memory steps continued, every incarnation of this replica."""
+        hb = self.heartbeat
+        return self.oom_exited + (hb.oom_total if hb is not None else 0)
 
     @property
     def is_ready(self) -> bool:

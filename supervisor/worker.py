@@ -180,9 +180,16 @@ class ReplicaWorker:
         assert inc.child is not None and inc.vitals is not None
         vitals = inc.vitals
         age = now - (vitals.heartbeat_at or inc.child.spawned_at)
-        what = inc.liveness.missing(reason, vitals.cleanup_at is not None)
-        log.warning("[%s] %s pid %d: no %s (last heartbeat %.1fs ago): SIGKILL to its group",
-                    reason.value, self.replica.name, inc.child.pid, what, age)
+        if reason is Reason.MEMORY:
+            hb = vitals.heartbeat
+            log.warning("[memory] %s pid %d: holds more than its memory_limit (%d bytes over) "
+                        "for %.1fs: SIGKILL to its group", self.replica.name, inc.child.pid,
+                        -(hb.memory_headroom or 0) if hb else 0,
+                        now - (vitals.over_limit_since or now))
+        else:
+            what = inc.liveness.missing(reason, vitals.cleanup_at is not None)
+            log.warning("[%s] %s pid %d: no %s (last heartbeat %.1fs ago): SIGKILL to its "
+                        "group", reason.value, self.replica.name, inc.child.pid, what, age)
         self.replica.set_state(EngineState.STOPPING)
         inc.kill(now)
 
@@ -232,4 +239,5 @@ def lost_because(reason: Reason, requested: Command | None) -> str:
     if requested is Command.PEER_STOP:
         return "was stopped with its data-parallel group"
     return {Reason.HANG: "hung (no heartbeat)", Reason.STALL: "stalled (no loop progress)",
+            Reason.MEMORY: "held more than its memory_limit",
             Reason.STARTUP_TIMEOUT: "did not become READY in time"}.get(reason, "exited")

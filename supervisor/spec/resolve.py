@@ -301,15 +301,30 @@ def _check_backend(problems: _Problems, s: dict[str, _Located], path: str) -> No
                                              f"version (run one engine per GPU instead)")
     limit, limit_at = s["memory_limit"]
     if backend == "vllm" and limit is not None and limit is not _BAD:
-        problems.add(limit_at or backend_at or f"{path}.memory_limit",
-                     f"memory_limit is not supported with backend: vllm in this version (its "
-                     f"steps do not adapt yet; size vLLM's KV cache with engine_args "
-                     f"gpu_memory_utilization){_for(limit_at or backend_at or path, path)}")
+        _check_kv_sizing(problems, s, path, args, args_at, limit_at)
     dp, dp_at = s["data_parallel"]
     if backend == "vllm" and dp is True:
         problems.add(dp_at or backend_at or f"{path}.data_parallel",
                      f"data_parallel: true is not supported with backend: vllm (a second "
                      f"torch.distributed user){_for(dp_at or backend_at or path, path)}")
+
+
+# what else sizes vLLM's KV cache: memory_limit does, for a vLLM engine that has one
+_KV_SIZING_ARGS = ("gpu_memory_utilization", "kv_cache_memory_bytes")
+
+
+def _check_kv_sizing(problems: _Problems, s: dict[str, _Located], path: str,
+                     args: Any, args_at: str, limit_at: str | None) -> None:
+    at = limit_at or f"{path}.memory_limit"
+    for key, _ in args:
+        if key in _KV_SIZING_ARGS:
+            problems.add(f"{args_at}.{key}", f"{key} sizes vLLM's KV cache, and so does "
+                                             f"memory_limit ({at}): set one of them")
+    env, env_at = s["env"]
+    if env is not _BAD and any(k == "VLLM_CPU_KVCACHE_SPACE" for k, _ in env):
+        problems.add(f"{env_at or path + '.env'}.VLLM_CPU_KVCACHE_SPACE",
+                     f"VLLM_CPU_KVCACHE_SPACE sizes vLLM's KV cache, and so does memory_limit "
+                     f"({at}): set one of them")
 
 
 def _for(at: str, path: str) -> str:

@@ -123,3 +123,20 @@ def test_a_memory_limit_below_the_loaded_engine_is_a_config_error(engined, tiny_
     e = d.wait_state("small-0", "FAILED", timeout_s=300)
     assert "memory_limit" in e["fail_reason"] and "raise it" in e["fail_reason"], e
     assert e["last_exit"]["code"] == 78, e
+
+
+def test_an_engine_that_grows_past_its_limit_is_restarted_for_memory(engined):
+    """Memory mapped before the limit and touched after it (`!grow`, fault injection) takes the
+    engine past memory_limit without an allocation failing: its heartbeats say so, and the
+    daemon restarts it with the reason `memory`."""
+    d = engined([{"name": "grow", "model": "builtin:echo", "memory_limit": "256MiB"}],
+                supervisor={"heartbeat_interval": "0.2s"})
+    assert d.engine("grow-0")["memory"]["memory_limit_bytes"] == 256 * MiB
+    d.http("POST", "/v1/generate", b'{"prompt": "!grow", "max_tokens": 1}',
+           {"Content-Type": "application/json"})
+    e = d.wait_for(lambda: (lambda e: e if e["restarts_by_reason"].get("memory") == 1
+                            and e["state"] == "READY" and e["memory_headroom_bytes"] is not None
+                            else None)(d.engine("grow-0")), 120, "a restart for memory")
+    assert e["last_exit"]["reason"] == "memory", e
+    assert e["incarnation"] == 2 and e["memory_headroom_bytes"] > 0, e
+    assert "holds more than its memory_limit" in d.stderr_text(), d.stderr_text()[-2000:]

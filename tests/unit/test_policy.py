@@ -234,6 +234,11 @@ def _live(**overrides):
      None, 139.0),
     (105.0, _live(last_heartbeat_at=104.0, last_iteration_at=100.0, work_queued=True,
                   stall_timeout_s=2.0), Reason.STALL, 102.0),
+    # over its memory_limit: judged after MEMORY_GRACE_S (3 s) of saying so, not before
+    (102.0, _live(last_heartbeat_at=101.5, over_limit_since=101.0), None, 104.0),
+    (104.0, _live(last_heartbeat_at=103.8, over_limit_since=101.0), Reason.MEMORY, 104.0),
+    # a hang still comes first
+    (110.0, _live(over_limit_since=109.0), Reason.HANG, 110.0),
 ])
 def test_liveness(now, live, reason, next_at):
     assert check_liveness(now, live) == (reason, next_at)

@@ -441,7 +441,11 @@ RULES = [
     ("version: 1\nengines: [{name: a, model: builtin:tiny-llama, memory_limit: lots}]\n",
      "engines[0].memory_limit", 2, "size in bytes"),
     ("version: 1\nengines: [{name: a, model: builtin:tiny-llama, backend: vllm, "
-     "memory_limit: 2GiB}]\n", "engines[0].memory_limit", 2, "not supported with backend: vllm"),
+     "memory_limit: 2GiB, engine_args: {gpu_memory_utilization: 0.5}}]\n",
+     "engines[0].engine_args.gpu_memory_utilization", 2, "and so does memory_limit"),
+    ("version: 1\nengines: [{name: a, model: builtin:tiny-llama, backend: vllm, "
+     "memory_limit: 2GiB, env: {VLLM_CPU_KVCACHE_SPACE: '1'}}]\n",
+     "engines[0].env.VLLM_CPU_KVCACHE_SPACE", 2, "set one of them"),
     ("version: 1\nengines: [{name: a, command: [/bin/true], memory_limit: 2GiB}]\n",
      "engines[0].memory_limit", 2, "exclusive"),
 ]
