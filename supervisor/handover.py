@@ -38,6 +38,7 @@ from engined.supervisor import __version__, snapshot
 from engined.supervisor.host.exits import ChildWatcher
 from engined.supervisor.host.guard import close_fds, pidfd_exited
 from engined.supervisor.host.launcher import Child
+from engined.supervisor.host.reaper import descendants
 from engined.supervisor.incarnation import Incarnation
 from engined.supervisor.logs import PipeReader
 from engined.supervisor.policy import FailureHistory, Reason
@@ -230,7 +231,7 @@ def _adopt(replica: Replica, process: snapshot.Process, taken: tuple[int | None,
     exited = watcher.watch(process.pid, output_fd=output_fd, pidfd=pidfd)
     child = Child(process.pid, output_fd, exited,
                   spawned_at=now - process.spawned_ago_s, launcher=process.launcher,
-                  port=process.port)
+                  port=process.port, descendant=process.pid in descendants(os.getpid()))
     inc.attach(child, PipeReader(deps.loop, output_fd, replica.log),
                replica.log.lines_total)
     vitals = inc.vitals

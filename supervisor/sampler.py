@@ -1,6 +1,6 @@
 """Resource samples for status and metrics: engine process trees (psutil) and GPUs (NVML).
 
-Sampling reads /proc for every process on the host and may call into the NVIDIA driver, so it
+Sampling reads /proc for each engine's process tree and may call into the NVIDIA driver, so it
 runs in a worker thread (`asyncio.to_thread`) and its result is cached briefly: a burst of scrapes
 costs one sample, and the event loop (heartbeats, exits) never waits on /proc or the driver.
 NVML (host/gpus.py) is optional: without a driver the GPU figures are simply absent.
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from engined.supervisor.host.gpus import GpuDevice, Nvml
+from engined.supervisor.host.reaper import children_of
 
 log = logging.getLogger("engined.sampler")
 
@@ -42,29 +43,42 @@ class Sample:
 
 
 def sample_trees(pids: list[int]) -> dict[int, TreeSample]:
-    """RSS and CPU of each pid plus all its descendants, from one pass over /proc."""
-    children: dict[int, list[int]] = {}
-    stats: dict[int, TreeSample] = {}
-    for proc in psutil.process_iter(["ppid", "memory_info", "cpu_times"]):
-        info = proc.info
-        if info["memory_info"] is None or info["cpu_times"] is None:
-            continue
-        children.setdefault(info["ppid"], []).append(proc.pid)
-        cpu = info["cpu_times"]
-        stats[proc.pid] = TreeSample(info["memory_info"].rss, cpu.user + cpu.system)
-    return {pid: _sum_tree(pid, children, stats) for pid in pids if pid in stats}
+    """RSS and CPU of each pid plus all its descendants. Only those processes are read (down
+    /proc/PID/task/*/children): the cost follows the engines' trees, not the host's process
+    count."""
+    out = {}
+    for root in pids:
+        tree = _sum_tree(root)
+        if tree is not None:
+            out[root] = tree
+    return out
 
 
-def _sum_tree(root: int, children: dict[int, list[int]],
-              stats: dict[int, TreeSample]) -> TreeSample:
-    rss, cpu, stack, seen = 0, 0.0, [root], set()
+def _read(pid: int) -> tuple[int, float] | None:
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            cpu = proc.cpu_times()
+            return proc.memory_info().rss, cpu.user + cpu.system
+    except psutil.Error:
+        return None
+
+
+def _sum_tree(root: int) -> TreeSample | None:
+    top = _read(root)
+    if top is None:
+        return None
+    rss, cpu = top
+    seen, stack = {root}, list(children_of(root))
     while stack:
         pid = stack.pop()
-        if pid in stats:
-            rss += stats[pid].rss_bytes
-            cpu += stats[pid].cpu_seconds
+        if pid in seen:
+            continue
+        got = _read(pid)
+        if got is not None:
+            rss, cpu = rss + got[0], cpu + got[1]
             seen.add(pid)
-        stack.extend(children.get(pid, ()))
+            stack.extend(children_of(pid))
     return TreeSample(rss, cpu, frozenset(seen))
 
 

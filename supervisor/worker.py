@@ -225,7 +225,8 @@ class ReplicaWorker:
         assert inc.child is not None
         replica, dead = self.replica, {inc.child.pid}
         if self.deps.reaper is not None:
-            dead |= set(await self.deps.reaper.clear(replica.name, inc.address[1], inc.token))
+            dead |= set(await self.deps.reaper.clear(replica.name, inc.address[1], inc.token,
+                                                     inc.child.descendant))
         if self.deps.nvml is not None:
             await wait_gpu_released(self.deps.nvml, replica.name, dead, replica.spec.gpus)
 

@@ -45,6 +45,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterable
 
 from engined.engine.contract import ENV_OWNER  # the contract is standard library only
 
@@ -65,17 +66,18 @@ def _mark(pid: int) -> str | None:
     return None
 
 
-def marked_processes(prefix: str) -> list[int]:
+def marked_processes(prefix: str, among: Iterable[int] | None = None) -> list[int]:
     """Live pids whose ENGINED_OWNER mark equals `prefix`, or starts with it when it ends in
-    '/' (every process of one daemon)."""
+    '/' (every process of one daemon); of `among` only, or of every process on the host."""
     own, out = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == own:
+    pids = among if among is not None else (int(e) for e in os.listdir("/proc") if e.isdigit())
+    for pid in pids:
+        if pid == own:
             continue
-        mark = _mark(int(entry))
+        mark = _mark(pid)
         if mark is not None and (mark == prefix or (prefix.endswith("/")
                                                     and mark.startswith(prefix))):
-            out.append(int(entry))
+            out.append(pid)
     return out
 
 

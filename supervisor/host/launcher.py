@@ -70,6 +70,9 @@ class Child:
     spawned_at: float = field(default_factory=time.monotonic)
     launcher: str = "exec"  # what started it: "forkserver", "exec", "exec (why not forked)"
     port: int | None = None  # a command engine's port (this spawn's)
+    # our descendant (what it leaves behind is too: see host.reaper); not so for an engine a
+    # crashed daemon left, adopted by the next one
+    descendant: bool = True
 
     @property
     def alive(self) -> bool:

@@ -9,7 +9,10 @@ parent keep the GPUs). engined therefore
   (a waitpid(-1) would steal the engines' own exit statuses, which their pidfd watchers read);
 * finds what an incarnation left behind by the mark every process it started inherits
   (ENGINED_OWNER=<daemon pid>/<engine>/<incarnation>, in /proc/PID/environ) and kills it before
-  the replacement spawns, and removes its TMPDIR (`scratch`: the files it left there);
+  the replacement spawns, and removes its TMPDIR (`scratch`: the files it left there). As a
+  subreaper, whatever an engine left is engined's descendant: only those are read (from
+  /proc/PID/task/*/children down), so the cost follows engined's own process count, never the
+  host's (without the subreaper, every process on the host is read);
 * runs a guard (`engined.supervisor.host.guard`) that outlives a SIGKILLed daemon: it keeps the
   engines for the next engined (supervisor.orphan_timeout), then kills their process groups and
   whatever carries the daemon's mark.
@@ -38,12 +41,16 @@ _PR_SET_CHILD_SUBREAPER = 36
 LEFTOVER_WAIT_S = 5.0
 
 
+SUBREAPER = [False]  # this process is a child subreaper (set by become_subreaper)
+
+
 def become_subreaper() -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         log.warning("[start] cannot become a child subreaper (errno %d): an engine's escaped "
                     "descendants are re-parented to init", ctypes.get_errno())
         return False
+    SUBREAPER[0] = True
     return True
 
 
@@ -57,6 +64,17 @@ def children_of(pid: int) -> set[int]:
         except OSError:
             continue
     return kids
+
+
+def descendants(root: int) -> set[int]:
+    """Every descendant of `root` (alive or zombie), walking /proc/PID/task/*/children."""
+    found: set[int] = set()
+    frontier = [root]
+    while frontier:
+        kids = children_of(frontier.pop()) - found
+        found |= kids
+        frontier.extend(kids)
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -73,9 +91,11 @@ class Reaper:
     pids watched by their pidfd (never reaped here)."""
 
     def __init__(self, supervised: Callable[[], set[int]],
-                 held: Callable[[], bool] = lambda: False) -> None:
+                 held: Callable[[], bool] = lambda: False,
+                 subreaper: Callable[[], bool] = lambda: SUBREAPER[0]) -> None:
         self.supervised = supervised
         self.held = held  # a fork-server spawn in progress: its engine is not watched yet
+        self.subreaper = subreaper  # leftovers are our descendants: only those are read
         self.killed_total = 0
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -92,10 +112,12 @@ class Reaper:
             except ChildProcessError:
                 continue
 
-    async def clear(self, engine: str, incarnation: int, token: str) -> list[int]:
+    async def clear(self, engine: str, incarnation: int, token: str,
+                    descendant: bool = True) -> list[int]:
         """Kill every process still marked as this incarnation's, and wait (bounded) until they
-        are gone; returns the pids killed."""
-        pids = await asyncio.to_thread(marked_processes, token)
+        are gone; returns the pids killed. `descendant`: the incarnation was our descendant (not
+        an engine a crashed daemon left), so what it left is too."""
+        pids = await asyncio.to_thread(self._marked, token, descendant)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -112,6 +134,10 @@ class Reaper:
             self.reap_orphans()
         await self._remove_scratch(engine, incarnation, token)  # its processes are gone
         return pids
+
+    def _marked(self, token: str, descendant: bool) -> list[int]:
+        among = descendants(os.getpid()) if descendant and self.subreaper() else None
+        return marked_processes(token, among)
 
     async def _remove_scratch(self, engine: str, incarnation: int, token: str) -> None:
         left = await asyncio.to_thread(scratch.remove, token)
