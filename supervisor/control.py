@@ -31,7 +31,7 @@ from engined.supervisor.routing import Lease, NoReplica, Router
 from engined.supervisor.sampler import Sample, Sampler
 from engined.supervisor.state import EngineState
 from engined.supervisor.view import EngineView
-from engined.supervisor.webserver import CLIENT_TIMEOUT_S, LONG_LIVED
+from engined.supervisor.webserver import LONG_LIVED, BodyTimeout, read_body
 
 log = logging.getLogger("engined.control")
 
@@ -109,13 +109,9 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES,
                                             actual_size=request.content_length or 0)
     try:
-        if request.content.is_eof():  # the whole body is here (a small one usually is)
-            raw = await request.read()
-        else:
-            raw = await asyncio.wait_for(request.read(), CLIENT_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise web.HTTPRequestTimeout(
-            reason=f"request body not received within {CLIENT_TIMEOUT_S:g}s") from None
+        raw = await read_body(request)
+    except BodyTimeout as exc:
+        raise web.HTTPRequestTimeout(reason=str(exc)) from None
     try:
         body = json.loads(raw or b"{}")
     # ValueError: bad JSON, bad UTF-8, an integer past Python's digit limit; RecursionError:

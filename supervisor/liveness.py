@@ -54,6 +54,10 @@ class Liveness(Protocol):
     def verdict(self) -> str | None:
         """Set when an outside judge (failed probes) declared the incarnation hung."""
 
+    @property
+    def verdict_reason(self) -> Reason:
+        """What the verdict's kill counts as: hang (probes), canary (an idle canary request)."""
+
     def begin(self, address: tuple[str, int], port: int | None, deliver: Deliver,
               wake: Callable[[], None]) -> None:
         """The incarnation's process exists: start watching it from outside, if that is how."""
@@ -67,6 +71,7 @@ class Liveness(Protocol):
 class HeartbeatLiveness:
     kind = Kind.ENGINE
     verdict: str | None = None
+    verdict_reason = Reason.HANG
 
     def __init__(self, heartbeat_interval_s: float, heartbeat_timeout_s: float) -> None:
         self._interval_s, self._timeout_s = heartbeat_interval_s, heartbeat_timeout_s
@@ -98,6 +103,7 @@ class ProbeLiveness:
         self.spec, self.client, self.clock, self.monitor = spec, client, clock, monitor
         self.in_flight = in_flight  # requests routed to this incarnation now
         self.verdict: str | None = None
+        self.verdict_reason = Reason.HANG
         self._prober: Prober | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -122,9 +128,9 @@ class ProbeLiveness:
             deliver(proto.Ready(name, number, 0.0, "", self.spec.model.source, ""))
             return
 
-        def condemn(why: str) -> None:
+        def condemn(why: str, reason: Reason = Reason.HANG) -> None:
             if self.verdict is None:
-                self.verdict = why
+                self.verdict, self.verdict_reason = why, reason
                 wake()
 
         self._prober = Prober(self.spec, number, port, self.client, self.clock, self.monitor,
@@ -141,7 +147,9 @@ class ProbeLiveness:
 
     def missing(self, reason: Reason, cleaning_up: bool) -> str:
         if self.verdict is not None:
-            return f"passing probe: {self.verdict}"
+            what = "answer to its canary" if self.verdict_reason is Reason.CANARY else \
+                "passing probe"
+            return f"{what}: {self.verdict}"
         return _missing(reason, cleaning_up,
                         stall="generation progress with requests in flight")
 

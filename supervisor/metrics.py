@@ -41,14 +41,16 @@ class FleetCollector:
         self._monitor: LoopMonitor | None = None
         self._gateway: GatewayStats | None = None
         self._handover: dict[str, Any] = {}
+        self._clients: dict[str, Any] = {}
 
     def update(self, views: Iterable[EngineView], sample: Sample,
                ipc_dropped: dict[str, int], monitor: LoopMonitor | None = None,
                gateway: GatewayStats | None = None,
-               handover: dict[str, Any] | None = None) -> None:
+               handover: dict[str, Any] | None = None,
+               clients: dict[str, Any] | None = None) -> None:
         self._views, self._sample, self._ipc_dropped = list(views), sample, dict(ipc_dropped)
         self._monitor, self._gateway = monitor, gateway
-        self._handover = handover or {}
+        self._handover, self._clients = handover or {}, clients or {}
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: families vary with the fleet
@@ -68,6 +70,31 @@ class FleetCollector:
         yield from self._loop_metrics()
         yield from self._gateway_metrics()
         yield from self._handover_metrics()
+        yield from self._client_metrics()
+
+    def _client_metrics(self) -> Iterator[Metric]:
+        """What the HTTP servers did to their clients (supervisor.webserver), by server:
+        connections shed for a new one, new ones closed, deadlines that cut a client off."""
+        shed = CounterMetricFamily("engined_http_connections_shed",
+                                   "Connections closed to make room for a new one, by why they "
+                                   "were chosen", labels=["server", "reason"])
+        refused = CounterMetricFamily("engined_http_connections_refused",
+                                      "New connections closed at once: every one serving a "
+                                      "request (full) or past the per-address cap",
+                                      labels=["server", "reason"])
+        timeouts = CounterMetricFamily("engined_http_client_timeouts",
+                                       "Clients cut off by a deadline: a request body too slow, "
+                                       "an answer not read", labels=["server", "what"])
+        for server, counts in sorted(self._clients.items()):
+            for reason in ("idle", "slow"):
+                shed.add_metric([server, reason], counts[f"shed_{reason}"])
+            for reason in ("full", "per_address"):
+                refused.add_metric([server, reason], counts[f"refused_{reason}"])
+            for what in ("body", "write"):
+                timeouts.add_metric([server, what], counts[f"timeout_{what}"])
+        yield shed
+        yield refused
+        yield timeouts
 
     def _handover_metrics(self) -> Iterator[Metric]:
         """Upgrades in place (supervisor.upgrade): how many, the last one's gap, what was cut,

@@ -27,9 +27,10 @@ from engined.supervisor.sampler import Sampler
 class MonitoringEndpoint:
     def __init__(self, fleet: Fleet, channels: EngineChannels, sampler: Sampler,
                  monitor: LoopMonitor, gateway: Gateway | None = None,
-                 handover: Callable[[], dict[str, Any]] = dict) -> None:
+                 handover: Callable[[], dict[str, Any]] = dict,
+                 clients: Callable[[], dict[str, Any]] = dict) -> None:
         self.fleet, self.channels, self.sampler, self.monitor = fleet, channels, sampler, monitor
-        self.gateway, self.handover = gateway, handover
+        self.gateway, self.handover, self.clients = gateway, handover, clients
         self.collector = FleetCollector()
         self.registry = make_registry(self.collector)
 
@@ -46,7 +47,8 @@ class MonitoringEndpoint:
         sample = await self.sampler.sample([v.pid for v in views if v.pid is not None])
         gateway = self.gateway
         self.collector.update(views, sample, self.channels.dropped, self.monitor,
-                              gateway.stats if gateway else None, self.handover())
+                              gateway.stats if gateway else None, self.handover(),
+                              self.clients())
         body = render(self.registry)  # on the loop: the handles are the loop's, not a thread's
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

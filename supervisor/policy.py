@@ -27,6 +27,7 @@ class Reason(enum.Enum):
     HANG = "hang"
     STALL = "stall"
     MEMORY = "memory"  # held more than its memory_limit (engine.memory)
+    CANARY = "canary"  # did not answer a one-token request sent while idle (probe.Prober)
     STARTUP_TIMEOUT = "startup_timeout"
     GROUP = "group"
     MANUAL = "manual"

@@ -14,11 +14,20 @@ for it in the same terms the lifecycle already understands:
   gateway has requests on the replica (an engine core that froze while idle never reports
   running requests again); progress is its `counter` moving. The heartbeat carries both, so the
   replica's ordinary stall check applies: work in flight and no progress for stall_timeout.
+- **canary** (`canary: {idle, timeout}`, on by default for a server with an OpenAI API): an
+  engine core that froze while idle leaves /health at 200 and reports no work, so neither of the
+  above sees it until a client's request stalls. After `idle` with no request in flight, the
+  prober sends the server a one-token completion (for the first model its /v1/models lists),
+  straight to its port: it never competes with clients (only while none is in flight, one at a
+  time) and never counts in the gateway's metrics. No answer within `timeout` (or no
+  connection): hung, killed and restarted with the reason `canary`. An HTTP error answer is a
+  server that answered: logged, not judged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import re
@@ -30,6 +39,7 @@ import aiohttp
 from engined.engine import protocol as proto
 from engined.supervisor.clock import Clock
 from engined.supervisor.loopmonitor import LoopMonitor
+from engined.supervisor.policy import Reason
 from engined.supervisor.spec import EngineSpec
 
 log = logging.getLogger("engined.probe")
@@ -64,6 +74,23 @@ class ProbeClient:
             raise ProbeFailed(f"GET {path}: no answer within {timeout_s:g}s") from None
         except aiohttp.ClientError as exc:
             raise ProbeFailed(f"GET {path}: {type(exc).__name__}: {exc}") from None
+
+    async def post(self, port: int, path: str, body: dict[str, object],
+                   timeout_s: float) -> int:
+        """POST a JSON body; the answer's status once it is whole. ProbeFailed: no answer
+        within timeout_s, or no connection."""
+        try:
+            return await asyncio.wait_for(self._post(port, path, body), timeout_s)
+        except asyncio.TimeoutError:
+            raise ProbeFailed(f"POST {path}: no answer within {timeout_s:g}s") from None
+        except aiohttp.ClientError as exc:
+            raise ProbeFailed(f"POST {path}: {type(exc).__name__}: {exc}") from None
+
+    async def _post(self, port: int, path: str, body: dict[str, object]) -> int:
+        url = f"http://127.0.0.1:{port}{path}"
+        async with self.session().post(url, json=body, allow_redirects=False) as response:
+            await response.content.read(MAX_BODY_BYTES)
+            return response.status
 
     async def _get(self, port: int, path: str, read_body: bool) -> str:
         url = f"http://127.0.0.1:{port}{path}"
@@ -114,7 +141,7 @@ class Prober:
     def __init__(self, spec: EngineSpec, incarnation: int, port: int, client: ProbeClient,
                  clock: Clock, monitor: LoopMonitor,
                  deliver: Callable[[proto.ChildMessage], object],
-                 condemn: Callable[[str], None],
+                 condemn: Callable[..., None],
                  in_flight: Callable[[], int]) -> None:
         assert spec.probe is not None
         self.spec, self.incarnation, self.port = spec, incarnation, port
@@ -126,6 +153,9 @@ class Prober:
         self.stopped = False
         self.last_error = ""
         self.progress = _Progress()
+        self.quiet_since = clock.monotonic()  # no request in flight since (the canary's clock)
+        self.served: str | None = None  # the model the server lists first (the canary's)
+        self._canary_task: asyncio.Task[None] | None = None  # one at a time
 
     async def run(self) -> None:
         """Until `stop` (its incarnation is gone). The flag, not only the task's cancellation:
@@ -148,10 +178,57 @@ class Prober:
                         log.debug("[probe] %s: progress: %s", self.spec.name, exc)
                 if not self.stopped:
                     self._passed(spawned)
+                if self._canary_due():  # beside the probes, which go on meanwhile
+                    self._canary_task = asyncio.get_running_loop().create_task(
+                        self._canary(), name=f"canary:{self.spec.name}")
             await self._sleep_until(began + probe.interval_s)
 
     def stop(self) -> None:
         self.stopped = True
+        if self._canary_task is not None:
+            self._canary_task.cancel()
+
+    def _canary_due(self) -> bool:
+        canary, now = self.spec.canary, self.clock.monotonic()
+        if canary is None or not self.ready or self.stopped or not self.spec.openai:
+            return False
+        if self._canary_task is not None and not self._canary_task.done():
+            return False
+        if self.in_flight() > 0:
+            self.quiet_since = now
+            return False
+        return now - self.quiet_since >= canary.idle_s
+
+    async def _canary(self) -> None:
+        """One token, straight to the server (not through the gateway): no answer within the
+        canary's timeout, or no connection, is a hang."""
+        canary = self.spec.canary
+        assert canary is not None
+        began = self.clock.monotonic()
+        try:
+            if self.served is None:
+                listed = json.loads(await self.client.get(self.port, "/v1/models",
+                                                          canary.timeout_s, read_body=True))
+                self.served = str(listed["data"][0]["id"])
+            status = await self.client.post(self.port, "/v1/completions", {
+                "model": self.served, "prompt": "ok", "max_tokens": 1, "temperature": 0},
+                canary.timeout_s)
+        except ProbeFailed as exc:
+            if self.stopped or self.in_flight() > 0:
+                return  # a client's request came meanwhile: the stall check judges it now
+            if self.monitor.pauses.after(began) > 0 or not now_judgeable(self.monitor,
+                                                                            self.clock):
+                return  # engined itself did not run meanwhile: not the server's fault
+            self.condemn(f"no token within {canary.timeout_s:g}s of a canary request while "
+                         f"idle ({exc})", Reason.CANARY)
+            return
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            log.warning("[canary] %s: /v1/models lists no model (%s): no canary",
+                        self.spec.name, exc)
+            status = 0
+        if status and not 200 <= status < 300:
+            log.warning("[canary] %s: its one-token request got HTTP %d", self.spec.name, status)
+        self.quiet_since = self.clock.monotonic()
 
     def _passed(self, spawned: float) -> None:
         self.failures = 0

@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -46,6 +48,7 @@ from engined.supervisor.replica import AddressBook, Replica, ReplicaDeps
 from engined.supervisor.routing import Router
 from engined.supervisor.sampler import Sampler
 from engined.supervisor.spec import FleetSpec
+from engined.supervisor.spec.model import ClientLimits
 from engined.supervisor.systemd import Notifier
 from engined.supervisor.webserver import CappedRunner, listening, make_runner
 
@@ -55,7 +58,6 @@ log = logging.getLogger("engined")
 # Prometheus and probes; past it a connection is closed on accept (supervisor.webserver).
 MAX_CONTROL_CONNECTIONS = 256
 MAX_HTTP_CONNECTIONS = 64
-MAX_GATEWAY_CONNECTIONS = 1024  # clients of the OpenAI API (within the fd reserve)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class Services:
     upstream: Upstream
     gateway: Gateway | None
     changed: asyncio.Event  # set when what the state snapshot holds changed
+    # what each HTTP server did to its clients (webserver: shed, refused, timed out), by server
+    clients: dict[str, collections.Counter[str]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, spec: FleetSpec, paths: Paths, nofile: int | None,
@@ -154,15 +158,17 @@ class Services:
         sup = spec.supervisor
         if sup.http is not None:
             endpoint = MonitoringEndpoint(self.fleet, self.channels, self.sampler, self.monitor,
-                                          self.gateway, lambda: self.control.handover_info())
+                                          self.gateway, lambda: self.control.handover_info(),
+                                          lambda: self.clients)
             runners["http"] = await self._serve_tcp(endpoint.make_app(), sup.http,
                                                     MAX_HTTP_CONNECTIONS, "HTTP", "http",
-                                                    given.get("http"))
+                                                    given.get("http"), sup.clients)
             log.info("[http] serving /metrics /health /livez /readyz on %s:%d", *sup.http)
         if self.gateway is not None and sup.gateway is not None:
             runners["gateway"] = await self._serve_tcp(self.gateway.make_app(), sup.gateway,
-                                                       MAX_GATEWAY_CONNECTIONS, "the gateway",
-                                                       "gateway", given.get("gateway"))
+                                                       sup.clients.max_connections,
+                                                       "the gateway", "gateway",
+                                                       given.get("gateway"), sup.clients)
             log.info("[gateway] serving the OpenAI API (/v1/completions, /v1/chat/completions, "
                      "/v1/responses, /v1/models, /tokenize, /detokenize) on %s:%d%s",
                      *sup.gateway,
@@ -171,7 +177,8 @@ class Services:
 
     async def _serve_control(self, path: Path, fd: int | None) -> CappedRunner:
         runner = make_runner(make_app(self.control), MAX_CONTROL_CONNECTIONS,
-                             self.budget.may_accept)
+                             self.budget.may_accept,
+                             stats=self.clients.setdefault("control", collections.Counter()))
         await runner.setup()
         if fd is not None:  # handed over by the engined this one replaced: still bound
             await web.SockSite(runner, listening(fd)).start()
@@ -189,8 +196,9 @@ class Services:
 
     async def _serve_tcp(self, app: web.Application, address: tuple[str, int],
                          max_connections: int, what: str, key: str,
-                         fd: int | None = None) -> CappedRunner:
-        runner = make_runner(app, max_connections, self.budget.may_accept)
+                         fd: int | None, limits: ClientLimits) -> CappedRunner:
+        runner = make_runner(app, max_connections, self.budget.may_accept, limits,
+                             self.clients.setdefault(key, collections.Counter()))
         await runner.setup()
         if fd is not None:
             await web.SockSite(runner, listening(fd)).start()

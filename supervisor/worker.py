@@ -155,7 +155,7 @@ class ReplicaWorker:
 
     def _judge(self, inc: Incarnation, now: float) -> tuple[Reason | None, float | None]:
         if inc.liveness.verdict is not None:
-            return Reason.HANG, None
+            return inc.liveness.verdict_reason, None
         replica = self.replica
         # an adopted incarnation is past its startup: judged by its heartbeats meanwhile
         starting = replica.state is EngineState.STARTING and not inc.reattaching
@@ -241,4 +241,5 @@ def lost_because(reason: Reason, requested: Command | None) -> str:
         return "was stopped with its data-parallel group"
     return {Reason.HANG: "hung (no heartbeat)", Reason.STALL: "stalled (no loop progress)",
             Reason.MEMORY: "held more than its memory_limit",
+            Reason.CANARY: "did not answer a canary request (hung while idle)",
             Reason.STARTUP_TIMEOUT: "did not become READY in time"}.get(reason, "exited")

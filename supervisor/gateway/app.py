@@ -43,6 +43,7 @@ from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.ipc import EngineChannels
 from engined.supervisor.loopmonitor import LagHistogram
 from engined.supervisor.routing import Closing, QueueFull, Router, UnknownModel
+from engined.supervisor.webserver import BodyTimeout, read_body
 
 log = logging.getLogger("engined.gateway")
 
@@ -346,7 +347,11 @@ class Gateway:
 
 async def _body(request: web.Request) -> dict[str, Any]:
     try:
-        body = await request.json(loads=json.loads)
+        raw = await read_body(request)
+    except BodyTimeout as exc:
+        raise ApiError(408, f"{exc}: send the body at once, or faster", code="timeout") from None
+    try:
+        body = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, f"We could not parse the JSON body of your request: {exc}"[:300]) \
             from None

@@ -16,6 +16,7 @@ from typing import Any
 
 from engined.supervisor.spec.model import (
     VLLM_PROGRESS,
+    CanarySpec,
     ModelSpec,
     ProbeSpec,
     ProgressSpec,
@@ -529,6 +530,24 @@ def _probe(problems: _Problems, value: Any, path: str) -> Any:
     if _any_bad(url_path, interval, timeout, failures):
         return _BAD
     return ProbeSpec(url_path, interval, timeout, failures)
+
+
+def _canary(problems: _Problems, value: Any, path: str) -> Any:
+    """{idle, timeout} (each optional), or off / false: none."""
+    if value in ("off", False):
+        return False
+    mapping = _mapping(problems, value, path, null_ok=True)
+    if mapping is None:
+        return _BAD
+    _unknown_keys(problems, mapping, path, ("idle", "timeout"))
+    default = CanarySpec()
+    idle = _duration(positive=True)(problems, mapping.get("idle", default.idle_s),
+                                    _join(path, "idle"))
+    timeout = _duration(positive=True)(problems, mapping.get("timeout", default.timeout_s),
+                                       _join(path, "timeout"))
+    if _any_bad(idle, timeout):
+        return _BAD
+    return CanarySpec(idle, timeout)
 
 
 def _progress(problems: _Problems, value: Any, path: str) -> Any:

@@ -30,6 +30,7 @@ from engined.supervisor.spec.checks import (
     MAX_GPU_INDEX,
     RESTART_POLICIES,
     _bool,
+    _canary,
     _Check,
     _command,
     _duration,
@@ -262,6 +263,25 @@ KEYS: tuple[Key, ...] = (
         "after engined dies unplanned (SIGKILL, crash, OOM kill), its engines keep running this "
         "long for the next engined on the same runtime_dir to adopt, then exit; 0: they die "
         "with engined", Shown("orphan_timeout", fmt=_fmt_duration)),
+    Key("clients.header_timeout", _SUP, _DURATION, "clients.header_timeout_s",
+        "a connection whose request headers are not complete this long after it was accepted "
+        "or last answered is closed (slow headers and idle keep-alive alike)",
+        Shown("clients", "headers {}", _fmt_duration)),
+    Key("clients.body_timeout", _SUP, _DURATION, "clients.body_timeout_s",
+        "a request body must arrive within this (plus its length at body_min_rate): 408",
+        Shown("clients", "body {}", _fmt_duration)),
+    Key("clients.body_min_rate", _SUP, _size(1, 1 << 40), "clients.body_min_rate",
+        "bytes a second a large body is given on top of body_timeout",
+        Shown("clients", "+ length at {}/s", _fmt_bytes, sep=" ")),
+    Key("clients.write_timeout", _SUP, _DURATION, "clients.write_timeout_s",
+        "a client that reads nothing of its answer (a stream) this long is cut off and its "
+        "request aborted in its engine", Shown("clients", "write {}", _fmt_duration)),
+    Key("clients.max_connections", _SUP, _int_in(1, 1 << 20), "clients.max_connections",
+        "open gateway connections; past it (or the fd reserve) the oldest idle or slowest "
+        "connection is shed for a new one", Shown("clients", "at most {} connections")),
+    Key("clients.max_per_address", _SUP, _int_in(0, 1 << 20), "clients.max_per_address",
+        "open connections from one client address (gateway and metrics); 0: no cap",
+        Shown("clients", "{} per address", lambda n: n or None)),
     # an engine's own (the header of its --check rows shows them)
     Key("name", _ENG, _engine_name, "group",
         "the engine's name; its replicas are NAME-0, NAME-1, ...", default=REQUIRED),
@@ -347,6 +367,11 @@ KEYS: tuple[Key, ...] = (
         "true: the gateway routes to its OpenAI API (vllm: with vLLM's extensions); unset: vllm "
         "with progress: vllm, else false",
         Shown("checks", "openai {}", lambda api: api or "no", sep="; "), default=None),
+    Key("canary", _CMD, _canary, "canary",
+        "{idle, timeout}: after idle with no request, a one-token completion; none within "
+        "timeout: hung, restarted (reason canary); default on (10s, 20s) with openai; off: none",
+        Shown("checks", fmt=lambda c: c and f"canary after {_fmt_duration(c.idle_s)} idle, "
+              f"timeout {_fmt_duration(c.timeout_s)}", sep="; "), default=None),
     # engined's own engines
     Key("launcher", _SET, _enum(LAUNCHERS), "launcher",
         "this engine's launcher: overrides supervisor.launcher (command engines: always exec)",

@@ -45,6 +45,21 @@ class SpecError(Exception):
 
 
 @dataclass(frozen=True)
+class ClientLimits:
+    """What a client of the gateway and the metrics endpoint may hold (supervisor.webserver).
+    Defaults no normal client meets."""
+
+    # from accept, or from the last answer, until a request's headers are complete: a client
+    # slow with its headers and an idle keep-alive connection alike
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0  # a request's body, once its headers are in ...
+    body_min_rate: int = 1 << 20  # ... plus its Content-Length at this many bytes a second
+    write_timeout_s: float = 30.0  # a client that reads nothing of its answer this long: closed
+    max_connections: int = 1024  # the gateway's (the metrics endpoint keeps 64)
+    max_per_address: int = 0  # connections from one client address; 0: no cap
+
+
+@dataclass(frozen=True)
 class BackoffSpec:
     initial_s: float = 1.0
     max_s: float = 30.0
@@ -84,6 +99,16 @@ class ProbeSpec:
     interval_s: float = 2.0
     timeout_s: float = 1.0
     failures: int = 3
+
+
+@dataclass(frozen=True)
+class CanarySpec:
+    """A command engine with an OpenAI API that has had no request for `idle_s` is sent a
+    one-token completion; no answer within `timeout_s`: it is hung (an engine core frozen while
+    idle, which /health does not see). One at a time, only while no request is in flight."""
+
+    idle_s: float = 10.0
+    timeout_s: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -137,6 +162,7 @@ class EngineSpec:
     probe: ProbeSpec | None = None
     progress: ProgressSpec | None = None
     openai: str = ""  # the gateway proxies to its OpenAI API: "" no, "openai", "vllm" (+ ids)
+    canary: CanarySpec | None = None  # one-token requests while idle (command engines, openai)
     launcher: str = "forkserver"  # forkserver | exec (command engines: always exec)
     standby: bool = False  # a warm spare of its group (built, heartbeating, never routed)
 
@@ -161,6 +187,7 @@ class SupervisorSpec:
     log_backups: int = 3  # rotated files kept (NAME.log.1 ... .N); 0: start the file again
     # engines outlive a dead engined this long, for the next one to adopt; 0: they die with it
     orphan_timeout_s: float = 60.0
+    clients: ClientLimits = ClientLimits()  # slow, idle and too many clients (webserver)
 
 
 @dataclass(frozen=True)

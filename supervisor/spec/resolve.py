@@ -35,6 +35,7 @@ from engined.supervisor.spec.keys import (
 )
 from engined.supervisor.spec.model import (
     VLLM_PROGRESS,
+    CanarySpec,
     EngineSpec,
     FleetSpec,
     ModelSpec,
@@ -467,6 +468,11 @@ def _group_fields(g: _Group) -> dict[str, Any]:
     fields.update(probe=probe or None)
     if s["openai"] is None:  # progress: vllm means the server is vLLM's: its API comes with it
         fields.update(openai="vllm" if s["progress"] == VLLM_PROGRESS else "")
+    openai = fields.get("openai", s["openai"])
+    canary = s["canary"]
+    if canary is None:  # on by default where it can be sent: a server with an OpenAI API
+        canary = CanarySpec() if command and openai and s["port"] is not None else False
+    fields.update(canary=canary or None)
     return fields
 
 

@@ -142,6 +142,27 @@ def test_an_idle_frozen_core_is_no_stall(engined, short_tmp):
         os.kill(core, signal.SIGCONT)
 
 
+def test_a_core_frozen_while_idle_is_caught_by_a_canary(engined, short_tmp):
+    """No client sends anything: after `idle` the prober sends the server a one-token request;
+    its core is frozen (/health still 200), so no token comes within `timeout`: restarted with
+    the reason canary. Before the freeze, canaries are answered and change nothing."""
+    d = engined([server("web", "--pidfile-dir", str(short_tmp), progress=PROGRESS,
+                        openai=True, canary={"idle": "1s", "timeout": "2s"})])
+    e = d.engine("web-0")
+    served = int(get(e["port"], "/metrics")[1].decode().split(
+        "fake:generation_tokens_total ")[1].split()[0])
+    d.wait_for(lambda: int(get(e["port"], "/metrics")[1].decode().split(
+        "fake:generation_tokens_total ")[1].split()[0]) > served, 30, "an answered canary")
+    assert d.engine("web-0")["pid"] == e["pid"]  # answered: nothing changes
+    os.kill(read_pid(short_tmp, "core", d), signal.SIGSTOP)
+    assert get(e["port"], "/health")[0] == 200  # hung but healthy
+    d.wait_restarted("web-0", e["pid"], 60)
+    after = d.engine("web-0")
+    assert after["last_exit"]["reason"] == "canary", after
+    assert after["restarts_by_reason"] == {"canary": 1}, after
+    assert "answer to its canary" in d.stderr_text()
+
+
 def test_a_crash_loop_backs_off_and_fails_even_with_exit_0(engined):
     """vLLM's API server exits 0 after its engine core died: under restart: always that is a
     failure (backoff, start limit), not an endless loop of model loads."""

@@ -244,6 +244,29 @@ def test_a_frozen_engine_core_under_a_request_is_a_stall(served: Daemon):
     assert outcome["done"].usage.completion_tokens >= 1
 
 
+def test_an_engine_core_frozen_while_idle_is_caught_by_the_canary(served: Daemon):
+    """No client traffic at all: the EngineCore is SIGSTOPped while nothing is in flight
+    (/health stays 200, no request stalls); the canary (on by default for an OpenAI server:
+    10 s idle, 20 s timeout) gets no token and the server is restarted with the reason
+    canary."""
+    served.wait_all_ready(READY_TIMEOUT_S)
+    before = served.engine("served-0")
+    old = before["pid"]
+    core = _engine_core(served)
+    core.send_signal(signal.SIGSTOP)
+    try:
+        served.wait_restarted("served-0", old, READY_TIMEOUT_S)
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            core.send_signal(signal.SIGCONT)
+    after = served.engine("served-0")
+    assert after["restarts_by_reason"].get("canary", 0) == \
+        before["restarts_by_reason"].get("canary", 0) + 1, (before, after)
+    assert f"[exit] served-0 pid {old} killed by SIGKILL (reason canary)" in \
+        served.stderr_text()
+    served.wait_state("served-0", "READY", READY_TIMEOUT_S)
+
+
 def test_an_upgrade_in_place_keeps_the_server_and_the_stream_on_it(served: Daemon):
     """`enginectl upgrade` with a stream running: the drain lets it finish, the new code adopts
     the server (its whole tree unchanged) once its probe passes, and serves the next one."""
