@@ -12,7 +12,6 @@ a 100 kB body, unknown routes, wrong methods, bytes that are not HTTP); this fil
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import os
 import re
