@@ -72,9 +72,11 @@ class LostOn:
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self._at: dict[Incarnation, float] = {}
+        self.last = ""  # how the last attempt was lost, for the client's error
 
-    def add(self, incarnation: Incarnation) -> None:
+    def add(self, incarnation: Incarnation, how: str = "") -> None:
         self._at[incarnation] = self.clock()
+        self.last = f"{incarnation.address[0]}: {how}" if how else self.last
 
     def __contains__(self, incarnation: object) -> bool:
         if not isinstance(incarnation, Incarnation) or incarnation not in self._at:

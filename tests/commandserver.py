@@ -14,6 +14,11 @@ Token ids are bytes. The next token is a function of the whole sequence so far (
 generated ids), so a request replayed elsewhere with its delivered ids appended to the prompt
 continues exactly as it would have: an exact oracle for the gateway's failover.
 
+Broken answers (a completion whose prompt is one of these): `!garbage` streams a truncated JSON
+event and a line that is not JSON, then closes; `!truncated` answers 200 with a Content-Length
+larger than the JSON it sends, then closes; `!endless` streams one event and then nothing, never
+ending its body.
+
 Faults (flags): --start-delay S (listen after S), --never-ready (/health 503), --exit-after S
 --exit-code N (exit on its own), --orphan (start a grandchild in a session of its own that
 outlives this process unless its supervisor kills it), --pidfile-dir DIR (write core.pid and
@@ -46,6 +51,47 @@ OTHER_ROUTES = {
     "/v1/responses": lambda body: {"object": "response", "model": MODEL, "status": "completed",
                                    "output_text": str(body.get("input", ""))[::-1]},
 }
+
+
+def _garbage(handler: BaseHTTPRequestHandler) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.send_header("Connection", "close")
+    handler.end_headers()
+    handler.wfile.write(b'data: {"id": "x", "choices": [{"text": "a"\n\ndata: not json\n\n')
+    handler.wfile.flush()
+    handler.close_connection = True
+
+
+def _truncated(handler: BaseHTTPRequestHandler) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", "500")
+    handler.send_header("Connection", "close")
+    handler.end_headers()
+    handler.wfile.write(b'{"id": "x", "object": "text_completion", "choi')
+    handler.wfile.flush()
+    handler.close_connection = True
+
+
+def _endless(handler: BaseHTTPRequestHandler) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.end_headers()
+    event = {"id": "x", "object": "text_completion", "model": MODEL,
+             "choices": [{"index": 0, "text": "a", "finish_reason": None}]}
+    handler.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+    handler.wfile.flush()
+    while True:  # never ends its body (until the client goes away)
+        time.sleep(0.5)
+        try:
+            handler.wfile.write(b": still here\n\n")
+            handler.wfile.flush()
+        except OSError:
+            return
+
+
+BROKEN = {"!garbage": _garbage, "!truncated": _truncated, "!endless": _endless}
 
 
 def next_token(sequence: list[int]) -> int:
@@ -166,6 +212,9 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             max_tokens = int(body.get("max_tokens") or 16)
             if max_tokens < 1:
                 self._send(400, {"error": {"message": "max_tokens must be at least 1"}})
+                return
+            if not chat and str(body.get("prompt", "")) in BROKEN:
+                BROKEN[str(body["prompt"])](self)
                 return
             with state.lock:
                 state.running += 1

@@ -125,7 +125,7 @@ class Proxy:
                 lost = f"{type(exc).__name__}: {exc}"
             finally:
                 self.router.release(lease)
-            lost_on.add(lease.incarnation)
+            lost_on.add(lease.incarnation, lost)
             moves = self.count_move(model or path, request, lease, lost, moves, limit, 0)
 
     def count_move(self, model: str, request: web.Request, lease: Lease, lost: str, moves: int,
@@ -196,7 +196,7 @@ class _Stream:
                 lost = str(exc)
             finally:
                 self.proxy.router.release(lease)
-            lost_on.add(lease.incarnation)
+            lost_on.add(lease.incarnation, lost)
             if self.progress.sent and self.blocker is not None:
                 return await self._cannot_continue(lease, lost)
             moves = self.proxy.count_move(self.model, self.request, lease, lost, moves, self.limit,

@@ -117,7 +117,7 @@ class Relay:
                         stream.close()
             finally:
                 self.router.release(lease)
-            lost_on.add(lease.incarnation)
+            lost_on.add(lease.incarnation, lost)
             if delivered and not job.resumable:
                 raise ApiError(503, f"the request lost its engine after {len(delivered)} "
                                     f"tokens and cannot go on elsewhere (a structured-output "
@@ -139,7 +139,8 @@ async def acquire(router: Router, group: str, deadline: float,
     try:
         return await router.acquire(group, deadline, avoid)
     except NoReplica as exc:
-        raise ApiError(503, str(exc), kind="server_error", code="no_replica",
+        last = f" (its last attempt: {avoid.last})" if avoid.last else ""
+        raise ApiError(503, f"{exc}{last}", kind="server_error", code="no_replica",
                        headers={"Retry-After": "5"}) from None
 
 

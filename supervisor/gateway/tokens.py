@@ -98,7 +98,7 @@ async def ask(router: Router, channels: EngineChannels, clock: Callable[[], floa
                     stream.close()
         finally:
             router.release(lease)
-        lost_on.add(lease.incarnation)
+        lost_on.add(lease.incarnation, lost)
         moves = moved(request.id or request.task, lost, moves, limit, 0)
 
 

@@ -82,8 +82,16 @@ class Upstream:
         headers = {"Content-Type": "application/json"} if body is not None else {}
         async with self.session().request(method, f"http://127.0.0.1:{port}{path}", data=body,
                                           headers=headers) as response:
-            data = await response.content.read(MAX_BODY_BYTES)
-            return response.status, dict(response.headers), data
+            # to its end: a body cut short (fewer bytes than its Content-Length, a chunked
+            # body without its last chunk) raises ClientPayloadError instead of passing as whole
+            parts, size = [], 0
+            async for part in response.content.iter_chunked(1 << 16):
+                size += len(part)
+                if size > MAX_BODY_BYTES:
+                    raise ValueError(f"{method} {path}: the answer is larger than "
+                                     f"{MAX_BODY_BYTES} bytes")
+                parts.append(part)
+            return response.status, dict(response.headers), b"".join(parts)
 
     async def open(self, port: int, path: str, body: bytes) -> aiohttp.ClientResponse:
         """A POST whose answer is read as it comes (the caller closes it)."""

@@ -285,3 +285,28 @@ def test_a_request_that_cannot_move_mid_stream_is_resent_before_its_first_byte(g
                 victim2 = serving(d)
                 os.kill(d.engine(victim2)["pid"], signal.SIGKILL)
     assert "cannot continue elsewhere: 'n' is set" in str(err.value), err.value
+
+
+@pytest.mark.parametrize("mode", ["vllm", True])
+def test_broken_answers_from_the_server_are_clear_errors_and_harm_nothing(gateway, mode):
+    """A server that streams malformed events, cuts its JSON short, or never ends its body:
+    the client gets a clear error (the stream's, or a 502/503), the replica is left to its
+    probes (not restarted for it), and the next request is served."""
+    d, client = gateway(fleet(openai_mode=mode, replicas=1, request_timeout="3s"))
+    seen = {}
+    for prompt, stream in (("!garbage", True), ("!truncated", False), ("!endless", True)):
+        with pytest.raises(openai.APIError) as raised:
+            answer = client.completions.create(model="fake", prompt=prompt, max_tokens=5,
+                                               stream=stream)
+            if stream:
+                list(answer)
+        seen[prompt] = str(raised.value)
+    assert "request_timeout" in seen["!endless"], seen
+    # what went wrong is named: the broken event, the body cut short
+    assert "fake-0: JSONDecodeError" in seen["!garbage"], seen
+    assert "fake-0:" in seen["!truncated"] and "received 46 of 500 bytes" in seen["!truncated"]
+    done = client.completions.create(model="fake", prompt=PROMPT, max_tokens=3)
+    assert done.choices[0].text == expected(list(PROMPT.encode()), 3)
+    e = d.engine("fake-0")
+    assert e["restarts"] == 0 and e["state"] == "READY", e
+    assert "Traceback" not in d.stderr_text(), d.stderr_text()[-3000:]
