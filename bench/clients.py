@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import socket
 import sys
 import time
@@ -101,9 +102,9 @@ def slow_flood(port: int, count: int, seconds: float) -> tuple[int, list[float]]
 
 
 async def streams(port: int, count: int, hang_up_after_first: bool,
-                  peak: list[int], pid: int) -> tuple[int, int]:
-    """`count` concurrent streams; (completed, failed). With hang_up_after_first each client
-    closes its connection after its first token."""
+                  peak: list[int], pid: int, why: collections.Counter[str]) -> tuple[int, int]:
+    """`count` concurrent streams; (completed, failed), and why each failure failed. With
+    hang_up_after_first each client closes its connection after its first token."""
     done = failed = 0
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=connector) as s:
@@ -115,6 +116,7 @@ async def streams(port: int, count: int, hang_up_after_first: bool,
                         "stream": True}, timeout=aiohttp.ClientTimeout(total=600)) as resp:
                     if resp.status != 200:
                         failed += 1
+                        why[f"HTTP {resp.status}"] += 1
                         return
                     async for line in resp.content:
                         if hang_up_after_first and line.startswith(b"data: {"):
@@ -122,8 +124,9 @@ async def streams(port: int, count: int, hang_up_after_first: bool,
                             done += 1
                             return
                     done += 1
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 failed += 1
+                why[type(exc).__name__] += 1
 
         async def watch() -> None:
             while True:
@@ -182,22 +185,27 @@ def main(argv: list[str] | None = None) -> int:
 
         def flood() -> tuple[str, ...]:
             shed0 = metric(http, "engined_http_connections_shed_total")
+            cut0 = metric(http, "engined_http_client_timeouts_total")
             opened, took = slow_flood(gateway, slow_n, flood_s)
             shed = metric(http, "engined_http_connections_shed_total") - shed0
+            cut = metric(http, "engined_http_client_timeouts_total") - cut0
             took.sort()
             median = took[len(took) // 2] if took else None
             return (f"{opened} slow connections; good client: {len(took)} answered, median "
                     f"{lag_ms(median)}, max {lag_ms(took[-1] if took else None)}; "
-                    f"{shed:.0f} slow connections shed", )
+                    f"{shed:.0f} slow connections shed for new ones, {cut:.0f} cut off by "
+                    f"the body deadline (408)", )
 
         def many(count: int, hang_up: bool) -> tuple[str, ...]:
             peak = [rss(pid)]
             base = peak[0]
-            done, failed = asyncio.run(streams(gateway, count, hang_up, peak, pid))
+            why: collections.Counter[str] = collections.Counter()
+            done, failed = asyncio.run(streams(gateway, count, hang_up, peak, pid, why))
             wait_until(lambda: running(d) == 0, 120, "every request gone from the engines")
             per = (peak[0] - base) / max(1, count)
             what = "hung up after their first token" if hang_up else "completed"
-            return (f"{count} streams: {done} {what}, {failed} failed; peak "
+            reasons = f" ({', '.join(f'{k} ×{n}' for k, n in why.most_common())})" if why else ""
+            return (f"{count} streams: {done} {what}, {failed} failed{reasons}; peak "
                     f"{num(peak[0] / MiB, 1, 'MiB')} ({num(per / 1024, 1, 'KiB')} a stream); "
                     f"engines' requests back to 0", )
 
