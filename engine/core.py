@@ -327,6 +327,10 @@ class EngineCoreProc:
         """One busy-loop iteration; False ends the loop (stop requested)."""
         if self.stop.set:
             return False
+        if _WEDGED_WHEN_IDLE and not self.busy:  # `!wedge` (fault injection)
+            while not self.stop.set:
+                time.sleep(0.1)
+            return False
         if self.model is not None and self.model.has_work():
             self.run_step(self._stamp)
         return True
@@ -414,7 +418,7 @@ class EngineCoreProc:
                       file=sys.stderr, flush=True)
                 continue
             if isinstance(msg, proto.GenerateRequest):
-                if self.faults and msg.prompt.startswith(("!stall", "!raise", "!grow")):
+                if self.faults and msg.prompt.startswith(("!stall", "!raise", "!grow", "!wedge")):
                     self._faulty.append(msg)
                 self.table.admit(msg)
             elif isinstance(msg, proto.Abort):
@@ -630,15 +634,19 @@ def _exit_reason(code: int, stop: _StopFlag) -> str:
 
 
 _BALLAST: list[mmap.mmap] = []  # `!grow`'s mapping (fault injection, under memory_limit)
+_WEDGED_WHEN_IDLE: list[bool] = []  # `!wedge`: the busy loop stops once idle
 
 
 def _inject_faults(requests: list[proto.GenerateRequest]) -> None:
     """`!stall`: the step wedges (the loop stops progressing, heartbeats go on); `!raise`: the
     busy loop raises; `!grow` (with a memory_limit): the engine's resident memory grows past its
     limit without an allocation failing, as memory mapped before the limit (weights paged in)
-    would: every page of a mapping made before the limit is touched. Enabled for builtin:echo
-    and wherever ENGINED_FAULT_INJECTION=1."""
+    would: every page of a mapping made before the limit is touched; `!wedge`: once the engine
+    is idle again its busy loop stops (heartbeats go on), as a deadlock while idle would.
+    Enabled for builtin:echo and wherever ENGINED_FAULT_INJECTION=1."""
     for req in requests:
+        if req.prompt.startswith("!wedge") and not _WEDGED_WHEN_IDLE:
+            _WEDGED_WHEN_IDLE.append(True)
         if req.prompt.startswith("!grow"):
             for ballast in _BALLAST:
                 for offset in range(0, len(ballast), mmap.PAGESIZE):

@@ -14,8 +14,8 @@ for tests and chaos runs come from the child's environment (set through the spec
   (`setsid`: one that leaves the engine's process group), as engines with workers do
 * ENGINED_ECHO_TEMPFILE=1      — leave a file in the temporary directory at build, never removed
   (as vLLM's FileStore stays there after a kill)
-* prompts `!stall` and `!raise` inject faults (see engine.core); for other models set
-  ENGINED_FAULT_INJECTION=1 to enable them.
+* prompts `!stall`, `!raise`, `!grow` and `!wedge` inject faults (see engine.core); for other
+  models set ENGINED_FAULT_INJECTION=1 to enable them.
 """
 
 from __future__ import annotations

@@ -172,7 +172,8 @@ class Incarnation:
                         last_iteration_at=hb.last_iteration_at if hb else last_seen,
                         work_queued=vitals.busy, stall_timeout_s=stall_timeout_s,
                         pauses=pauses, judge_after=judge_after,
-                        over_limit_since=vitals.over_limit_since)
+                        over_limit_since=vitals.over_limit_since,
+                        idle_loop=self.kind is Kind.ENGINE and hb is not None)
 
     # --- signals -------------------------------------------------------------------------------
     def terminate(self, now: float, stop_timeout_s: float, deadline: float | None) -> None:

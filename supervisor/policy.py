@@ -249,12 +249,19 @@ class Liveness:
     pauses: Pauses = NO_PAUSES  # the daemon's own pauses: every deadline moves back by them
     judge_after: float = float("-inf")  # no verdict before (right after a pause of the daemon)
     over_limit_since: float | None = None  # its heartbeats say it holds more than memory_limit
+    # last_iteration_at is the busy loop's own stamp, idle or not (engined's own engines: an
+    # idle loop wakes every 0.5 s), so a loop that stopped while idle is seen too
+    idle_loop: bool = False
 
 
 # An engine over its memory_limit for this long (every heartbeat meanwhile saying so) is
 # restarted with the reason `memory`: longer than a step's passing peak, far shorter than the
 # kernel's OOM killer takes to find it
 MEMORY_GRACE_S = 3.0
+# An idle engine's busy loop that has not come round for max(stall_timeout, this) is stalled: it
+# wakes every 0.5 s while idle, but its heartbeats come from a thread of their own and would go
+# on; a client's request would meet it only after stall_timeout more
+IDLE_LOOP_FLOOR_S = 15.0
 
 
 def check_liveness(now: float, live: Liveness) -> tuple[Reason | None, float]:
@@ -281,4 +288,11 @@ def check_liveness(now: float, live: Liveness) -> tuple[Reason | None, float]:
         if reached(now, stall_deadline):
             return Reason.STALL, stall_deadline
         return None, min(hb_deadline, stall_deadline)
+    if live.idle_loop:
+        last_step = live.last_iteration_at
+        idle_deadline = (last_step + max(live.stall_timeout_s, IDLE_LOOP_FLOOR_S)
+                         + pauses.after(last_step))
+        if reached(now, idle_deadline):
+            return Reason.STALL, idle_deadline
+        return None, min(hb_deadline, idle_deadline)
     return None, hb_deadline

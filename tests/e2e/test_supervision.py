@@ -175,6 +175,19 @@ def test_stall_is_detected_and_the_request_fails(engined):
     assert d.ctl("generate", "--engine", "echo-0", "after").stdout.strip() == "after"
 
 
+def test_a_loop_that_stops_while_idle_is_a_stall(engined):
+    """`!wedge` (fault injection): the request is answered, then the busy loop stops while the
+    engine is idle; its heartbeat thread goes on. The idle loop's own stamp stops moving, and
+    after max(stall_timeout, 15 s) the engine is restarted as stalled, with no request needed
+    to find it."""
+    d = engined([ECHO], defaults={"stall_timeout": "1s"}, supervisor={"heartbeat_interval": "0.2s"})
+    old = d.engine("echo-0")
+    assert d.ctl("generate", "--engine", "echo-0", "!wedge").returncode == 0
+    new = d.wait_restarted("echo-0", old["pid"], 90)
+    assert new["last_exit"]["reason"] == "stall", new
+    assert d.ctl("generate", "--engine", "echo-0", "after").stdout.strip() == "after"
+
+
 def _order(d, fragments: list[str]) -> bool:
     """Each fragment starts a line of the daemon's log, after the line the previous one
     started (AssertionError naming the first that is missing or out of order)."""

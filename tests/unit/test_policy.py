@@ -239,6 +239,16 @@ def _live(**overrides):
     (104.0, _live(last_heartbeat_at=103.8, over_limit_since=101.0), Reason.MEMORY, 104.0),
     # a hang still comes first
     (110.0, _live(over_limit_since=109.0), Reason.HANG, 110.0),
+    # an idle engine's own loop wakes every 0.5 s: one that stopped is stalled after
+    # max(stall_timeout, IDLE_LOOP_FLOOR_S), 15 s; not without the loop's own stamp
+    (109.0, _live(last_heartbeat_at=108.5, last_iteration_at=95.0, stall_timeout_s=2.0,
+                  idle_loop=True), None, 110.0),
+    (110.5, _live(last_heartbeat_at=110.0, last_iteration_at=95.0, stall_timeout_s=2.0,
+                  idle_loop=True), Reason.STALL, 110.0),
+    (112.0, _live(last_heartbeat_at=111.5, last_iteration_at=40.0, stall_timeout_s=60.0,
+                  idle_loop=True), Reason.STALL, 100.0),
+    (112.0, _live(last_heartbeat_at=111.5, last_iteration_at=40.0, stall_timeout_s=60.0),
+     None, 121.5),
 ])
 def test_liveness(now, live, reason, next_at):
     assert check_liveness(now, live) == (reason, next_at)
