@@ -207,7 +207,9 @@ def test_hang_is_declared_exactly_heartbeat_timeout_after_the_last_heartbeat(tmp
 
 @pytest.mark.parametrize("busy, frozen, killed_after_s", [
     (True, True, 60.0),  # work queued, the loop stopped: a stall after stall_timeout
-    (False, True, None),  # an idle loop that does not iterate is not stalled
+    # an idle engine's loop that stopped coming round (it wakes every 0.5 s): a stall after
+    # max(stall_timeout, 15 s)
+    (False, True, 60.0),
     (True, False, None),  # busy and progressing
 ])
 def test_stall_needs_work_queued_and_no_loop_progress(tmp_path, busy, frozen, killed_after_s):
