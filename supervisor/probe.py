@@ -194,7 +194,9 @@ class Prober:
             return False
         if self._canary_task is not None and not self._canary_task.done():
             return False
-        if self.in_flight() > 0:
+        # busy: the gateway's requests, or the server's own gauge read before any canary went
+        # (a client may talk to the server's port directly, as a benchmark's direct run does)
+        if self.in_flight() > 0 or self.progress.busy:
             self.quiet_since = now
             return False
         return now - self.quiet_since >= canary.idle_s
