@@ -10,7 +10,13 @@ instead of killing the engine, and `memory_limit` bounds what the engine may hol
 * `apply_memory_limit`: on a CPU the limit is enforced after the stack and the model are loaded,
   by RLIMIT_AS: the address space now plus the headroom the limit leaves over the resident
   memory now. An allocation beyond it fails in the engine (an exception it catches), never in
-  the kernel's OOM killer. On a GPU it is torch's per-process memory fraction of the device.
+  the kernel's OOM killer. glibc's mmap threshold is fixed then, so that a large block freed
+  gives its address space back (a dynamic threshold moves large blocks into the heap, whose
+  freed middle stays mapped: a limit on address space would then count memory nobody holds).
+  On a GPU it is torch's per-process memory fraction of the device.
+* A request that runs out of memory alone is tried once more alone, once what the failed step
+  held is released (what a larger failed step left behind can be what it met); a second
+  failure alone is its own: it fails with `too_large`'s error and the engine serves on.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory
                "could not create a primitive")
 REGROW_AFTER_S = 30.0
 MiB = 1 << 20
+# glibc's mallopt parameters, and the threshold over which a block is mapped on its own
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 128 * 1024
+ALONE_TRIES = 2
 # What a vLLM engine keeps free under its limit once its KV cache is sized (activations of a
 # step, allocator slack): the larger of this and RESERVE_FRACTION of the limit, unless
 # ENGINE_MEMORY_RESERVE (bytes) says otherwise.
@@ -110,6 +120,7 @@ def apply_memory_limit(limit: int, device: str, torch: Any = None) -> dict[str, 
     if headroom <= 0:
         raise MemoryLimitError(f"memory_limit ({limit} bytes) is below what the engine holds "
                                f"once loaded ({rss} bytes resident): raise it")
+    _fix_malloc()
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     soft = vm + headroom
     if hard != resource.RLIM_INFINITY:
@@ -131,6 +142,17 @@ def headroom(limit: int | None, device: str = "cpu", torch: Any = None) -> int |
     """Bytes the engine may still take under its limit, negative when it holds more than the
     limit (the daemon restarts it for `memory` then); None: no limit."""
     return None if limit is None else limit - held_bytes(device, torch)
+
+
+def _fix_malloc() -> None:
+    """Large blocks mapped on their own from now on, and the heap's top trimmed eagerly: freed
+    memory leaves the address space (the limit's measure) instead of staying in the heap."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        libc.mallopt(_M_TRIM_THRESHOLD, MMAP_THRESHOLD)
+    except (OSError, AttributeError):
+        pass  # not glibc: its allocator keeps its own policy
 
 
 def trim() -> bool:

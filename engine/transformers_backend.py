@@ -40,7 +40,7 @@ from engined.engine.backend import (
     torch_gpu_memory,
 )
 from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
-from engined.engine.memory import BatchLimit, is_oom, too_large
+from engined.engine.memory import ALONE_TRIES, BatchLimit, is_oom, too_large
 
 if TYPE_CHECKING:
     from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Position, Sampling
@@ -126,6 +126,7 @@ class _Row:
     # request.prompt_ids), decoded with what follows so the text joins exactly
     prefix: list[int] = field(default_factory=list)
     continued: bool = False
+    alone_ooms: int = 0  # steps it ran out of memory in alone
 
 
 def _sampling_key(sampling: Sampling) -> Sampling:
@@ -263,7 +264,9 @@ class HFBackend:
         print(f"[oom] a step of {len(rows)} sequence(s) ran out of memory "
               f"({str(exc).splitlines()[0][:160]}): batch limit now {self.batch.limit}, "
               f"{len(live)} request(s) continue", file=sys.stderr, flush=True)
-        if len(rows) == 1:
+        for row in live if len(rows) == 1 else []:
+            row.alone_ooms += 1
+        if len(rows) == 1 and any(row.alone_ooms >= ALONE_TRIES for row in live):
             for row in live:  # it does not fit even alone: its own fault, said so
                 row.done = True
                 request = row.request
@@ -278,7 +281,8 @@ class HFBackend:
                 Admission(request.id, request.prompt_ids + row.ids,
                           request.max_tokens - len(row.ids), request.sampling,
                           resumed=request.resumed + len(row.ids), chat=request.chat),
-                text_len=row.text_len, prefix=row.prefix + row.ids, continued=True))
+                text_len=row.text_len, prefix=row.prefix + row.ids, continued=True,
+                alone_ooms=row.alone_ooms))
 
     def _generate(self, rows: list[_Row], emit: Emit, on_token: Callable[[], None]) -> None:
         batch = [row.request for row in rows]

@@ -26,10 +26,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 MiB = 1 << 20
 LIMIT = 800 * MiB
 # What the limit leaves once loaded (limit less resident memory): the heartbeat thread, started
-# after the limit, takes its stack (8 MiB of address space) from it; the rest fits a few of the
-# burst's sequences
-HEADROOM = 21 * MiB
-HEADROOM_SLACK = 4 * MiB
+# after the limit, takes its stack (8 MiB of address space) from it; the rest fits one of the
+# burst's sequences and not five (measured: 9 MiB fits none, 13 and 18 MiB fit this, 23 MiB all)
+HEADROOM = 15 * MiB
+HEADROOM_SLACK = 2 * MiB
 BURST = 32
 PROMPTS = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 12
            for i in range(BURST)]
@@ -80,7 +80,7 @@ def test_a_vllm_engine_sizes_its_kv_cache_from_its_limit_and_survives_running_ou
         # What vLLM's sizing left over the default reserve tells how much to reserve for the
         # headroom wanted; an incarnation may differ a little: set it again until it fits.
         reserve = max(64 * MiB, LIMIT // 10)
-        for _ in range(3):
+        for _ in range(4):
             overshoot = reserve - e["memory_headroom_bytes"]
             reserve = overshoot + HEADROOM
             e = _reload_with_reserve(d, reserve, e["incarnation"])
