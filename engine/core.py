@@ -674,6 +674,10 @@ def _release_cuda() -> dict[str, float]:
     before_alloc = torch.cuda.memory_allocated()
     before_reserved = torch.cuda.memory_reserved()
     torch.cuda.synchronize()
+    # cuBLAS keeps a workspace per handle and stream in torch's allocator (32 MiB on Hopper)
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
     torch.cuda.empty_cache()
     torch.cuda.ipc_collect()
     return {"cuda_allocated_before_bytes": float(before_alloc),

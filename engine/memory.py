@@ -112,9 +112,15 @@ def apply_memory_limit(limit: int, device: str, torch: Any = None) -> dict[str, 
     """Bound the engine's memory by `limit` bytes from now on; what was set, for its log."""
     if device.startswith("cuda") and torch is not None:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        reserved = int(torch.cuda.memory_reserved())
+        if reserved >= limit:
+            raise MemoryLimitError(f"memory_limit ({limit} bytes) is below what the engine "
+                                   f"holds once loaded ({reserved} bytes of GPU memory "
+                                   f"reserved): raise it")
         fraction = min(1.0, limit / total)
         torch.cuda.set_per_process_memory_fraction(fraction)
-        return {"memory_limit_bytes": float(limit), "memory_fraction": fraction}
+        return {"memory_limit_bytes": float(limit), "reserved_at_limit_bytes": float(reserved),
+                "memory_fraction": fraction}
     rss, vm = rss_bytes(), _status_kib("VmSize") * 1024
     headroom = limit - rss
     if headroom <= 0:

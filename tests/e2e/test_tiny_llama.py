@@ -4,7 +4,7 @@ and HTTP.
 The tiny model is built once per session into its own cache directory, which every engine gets
 through the spec's `env: {ENGINED_CACHE_DIR: ...}`. The read-only checks and the single-replica
 crash checks share one module-scoped fleet (each crash test waits until the fleet is READY again);
-the model-error and GPU tests start their own daemon. GPU tests skip cleanly without CUDA.
+the model-error tests start their own daemon. The GPU tests are in test_gpu.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ import openai
 import psutil
 import pytest
 from driver import (
-    PYTHON,
     Daemon,
     free_port,
     process_gone,
@@ -300,108 +298,3 @@ def test_model_error_fails_at_once_with_exit_78(engined, tiny_cache: Path, tiny_
     status = d.ctl("status", "bad-0")
     assert status.returncode == 3, status
     assert "FAILED" in status.stdout and message in status.stdout, status.stdout
-
-
-# --- GPU only -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def cuda_available() -> None:
-    """Skip unless torch sees CUDA (without a driver, skip before paying for `import torch`)."""
-    if not (shutil.which("nvidia-smi") or os.path.exists("/dev/nvidiactl")):
-        pytest.skip("CUDA is not available (no NVIDIA driver)")
-    probe = subprocess.run([PYTHON, "-c", "import torch; print(torch.cuda.is_available())"],
-                           capture_output=True, text=True, timeout=120)
-    if probe.stdout.strip() != "True":
-        pytest.skip("CUDA is not available (torch.cuda.is_available() is False)")
-
-
-def _gpu0_used_mib() -> int:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                          "-i", "0"], capture_output=True, text=True, timeout=30, check=True)
-    return int(out.stdout.strip())
-
-
-def _torch_gpu_memory(d: Daemon) -> dict[str, Any] | None:
-    """GPU 0's row of the engine's status, once a heartbeat has brought torch's figures."""
-    rows = d.engine("gpu-0")["gpu_memory"]
-    return rows[0] if rows and rows[0]["allocated_bytes"] is not None else None
-
-
-def _gpu_engine(cache: Path) -> dict[str, Any]:
-    return _tiny("gpu", cache, gpus=[0], gpus_per_replica=1)
-
-
-@pytest.mark.gpu
-def test_gpu_memory_returns_to_baseline_after_restart(cuda_available, engined, tiny_cache: Path):
-    d = engined([_gpu_engine(tiny_cache)], supervisor=SUPERVISOR, defaults=DEFAULTS, ready=False)
-    baseline = d.wait_state("gpu-0", "READY", READY_TIMEOUT_S)
-    _generate_text(d, "--engine", "gpu-0", "hello")
-    baseline_mib = _gpu0_used_mib()
-    baseline_mem = d.wait_for(lambda: _torch_gpu_memory(d), 10, "a heartbeat with GPU memory")
-    assert baseline_mem["gpu"] == 0
-    assert baseline_mem["allocated_bytes"] > 0, baseline_mem
-    tolerance_mib = 64  # CUDA context and allocator rounding vary a little between processes
-
-    old = baseline
-    for how in ("restart", "sigkill"):
-        if how == "restart":  # graceful: the child's `finally` releases CUDA and reports it
-            assert d.ctl("restart", "gpu-0").returncode == 0
-        else:  # a crash: no cleanup runs, the driver frees the dead process's memory
-            os.kill(old["pid"], signal.SIGKILL)
-        new = d.wait_restarted("gpu-0", old["pid"], READY_TIMEOUT_S)
-        if how == "restart":
-            freed = new["last_cleanup"] or {}
-            assert {"cuda_allocated_with_model_bytes", "cuda_allocated_after_bytes",
-                    "cuda_reserved_before_bytes", "cuda_reserved_after_bytes"} <= set(freed), freed
-            assert freed["cuda_allocated_after_bytes"] <= freed["cuda_allocated_with_model_bytes"]
-            assert freed["cuda_reserved_after_bytes"] <= freed["cuda_reserved_before_bytes"]
-        _generate_text(d, "--engine", "gpu-0", "hello")
-        d.wait_for(lambda: abs(_gpu0_used_mib() - baseline_mib) <= tolerance_mib, 30,
-                   f"GPU 0 memory back to {baseline_mib} MiB after {how}")
-        mem = d.wait_for(lambda: _torch_gpu_memory(d), 10, "a heartbeat with GPU memory")
-        assert abs(mem["allocated_bytes"] - baseline_mem["allocated_bytes"]) <= 1 << 20, (how, mem)
-        if baseline_mem["used_bytes"] is not None:  # NVML sees the engine's pid
-            d.wait_for(lambda: abs((_torch_gpu_memory(d)["used_bytes"] or 0)
-                                   - baseline_mem["used_bytes"]) <= tolerance_mib << 20, 30,
-                       f"the engine's own GPU memory back to its baseline after {how}")
-        old = new
-
-
-@pytest.mark.gpu
-def test_cuda_visible_devices_pins_the_replica(cuda_available, engined, tiny_cache: Path):
-    d = engined([_gpu_engine(tiny_cache)], supervisor=SUPERVISOR, defaults=DEFAULTS, ready=False)
-    e = d.wait_state("gpu-0", "READY", READY_TIMEOUT_S)
-    assert e["gpus"] == [0]
-    assert psutil.Process(e["pid"]).environ()["CUDA_VISIBLE_DEVICES"] == "0"
-    assert e["device"] == "cuda:0", e  # its only visible GPU, physical GPU 0
-    assert re.search(r"^\[ready\] gpu-0 incarnation 1 .* on cuda:0$", d.log_text("gpu-0"), re.M)
-    assert _generate_text(d, "--engine", "gpu-0", "hello")
-
-
-@pytest.mark.gpu
-def test_fork_server_children_get_cuda_and_the_server_none(cuda_available, engined,
-                                                          tiny_cache: Path):
-    """Children forked on two GPUs run CUDA on their own GPU; the fork server never opened a
-    GPU device (no CUDA context, no NVML handle)."""
-    gpus = int(subprocess.run([PYTHON, "-c", "import torch; print(torch.cuda.device_count())"],
-                              capture_output=True, text=True, timeout=120).stdout.strip() or 0)
-    if gpus < 2:
-        pytest.skip(f"needs 2 GPUs ({gpus} visible)")
-    d = engined([_tiny("gpu", tiny_cache, replicas=2, gpus=[0, 1], gpus_per_replica=1)],
-                supervisor=SUPERVISOR, defaults=DEFAULTS, ready=False)
-    for name in ("gpu-0", "gpu-1"):
-        e = d.wait_state(name, "READY", READY_TIMEOUT_S)
-        assert e["launcher"] == "forkserver" and e["device"] == "cuda:0", e
-        _generate_text(d, "--engine", name, "hello")
-    servers = d.status()["supervisor"]["fork_servers"]
-    assert servers and all(s["state"] == "ready" for s in servers), servers
-    for server in servers:
-        held = [os.readlink(f"/proc/{server['pid']}/fd/{fd}")
-                for fd in os.listdir(f"/proc/{server['pid']}/fd")]
-        assert not [h for h in held if h.startswith("/dev/nvidia")], held
-    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                          capture_output=True, text=True, timeout=30, check=True).stdout.split()
-    assert not {str(s["pid"]) for s in servers} & set(apps), apps  # no CUDA context there
-    engines = d.engines()
-    assert {str(engines[n]["pid"]) for n in ("gpu-0", "gpu-1")} <= set(apps), apps
