@@ -225,7 +225,7 @@ class EngineCoreProc:
         # READY goes where requests flow: when the daemon reads it, it can route to us.
         self._send_now(proto.Ready(cfg.name, cfg.incarnation, load_s, self.model.device,
                                    cfg.model, self.model.dtype, self.model.gpu_memory(),
-                                   self.memory_plan))
+                                   self.memory_plan, getattr(self.model, "cache_info", {})))
         print(f"[ready] {cfg.name} incarnation {cfg.incarnation} loaded in {load_s:.3f}s "
               f"on {self.model.device}", file=sys.stderr, flush=True)
         self._heartbeat = _HeartbeatThread(self)

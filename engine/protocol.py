@@ -65,6 +65,9 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     # what memory_limit set (engine.memory): the limit, what the engine held at it, the address
     # space or device fraction, and for vLLM the KV cache it got
     memory: dict[str, float] = {}
+    # its KV cache, where the backend has one (vLLM: block_size, num_gpu_blocks), for the
+    # gateway's vllm:cache_config_info
+    cache: dict[str, float] = {}
 
 
 class Heartbeat(msgspec.Struct, tag="hb", frozen=True):

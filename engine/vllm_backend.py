@@ -316,6 +316,13 @@ class VllmBackend:
 
     # --- tokens ------------------------------------------------------------------------------
     @property
+    def cache_info(self) -> dict[str, float]:
+        """Its KV cache's blocks, as vLLM's own vllm:cache_config_info says them."""
+        cache = self.engine.vllm_config.cache_config
+        return {k: float(v) for k in ("block_size", "num_gpu_blocks")
+                if isinstance(v := getattr(cache, k, None), int) and not isinstance(v, bool)}
+
+    @property
     def sizing(self) -> dict[str, float]:
         """How vLLM sized its KV cache: its memory utilisation and the cache it allocated."""
         out = {"gpu_memory_utilization":

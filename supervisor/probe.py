@@ -107,6 +107,9 @@ class ProbeClient:
             await self._session.close()
 
 
+# what a vLLM-style server says of its queue and its KV cache (vLLM's older name second)
+WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", re.M)
 
 
@@ -132,6 +135,8 @@ class _Progress:
     moved_at: float = 0.0  # monotonic: the counter last moved, or work began
     busy: bool = False
     running: int = 0
+    waiting: int = 0  # the server's own queue, where it says it (vllm:num_requests_waiting)
+    kv_cache_usage: float | None = None  # 0..1, where it says it
     iteration: int = 0
 
 
@@ -272,14 +277,18 @@ class Prober:
         elif busy and not state.busy:
             state.moved_at = now  # work just began: the stall clock starts now
         state.busy, state.running = busy, running
+        state.waiting = int(metric_sum(text, WAITING) or 0)
+        usage = next((u for name in KV_CACHE_USAGE if (u := metric_sum(text, name)) is not None),
+                     None)
+        state.kv_cache_usage = min(1.0, max(0.0, usage)) if usage is not None else None
 
     def _beat(self, now: float) -> None:
         state = self.progress
         self.deliver(proto.Heartbeat(
             engine=self.spec.name, incarnation=self.incarnation, iteration=state.iteration,
             last_iteration_at=state.moved_at if self.spec.progress is not None else now,
-            waiting=0, running=state.running if self.spec.progress is not None else 0,
-            tokens=int(state.counter or 0)))
+            waiting=state.waiting, running=state.running if self.spec.progress is not None else 0,
+            tokens=int(state.counter or 0), kv_cache_usage=state.kv_cache_usage))
 
     async def _sleep_until(self, when: float) -> None:
         delay = when - self.clock.monotonic()

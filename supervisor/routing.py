@@ -97,6 +97,10 @@ class Router:
         self._released = asyncio.Event()  # a lease ended: a drain looks again
         self._turn = itertools.count()
 
+    def replicas(self) -> Iterable[Replica]:
+        """The fleet's, in spec order."""
+        return self._replicas()
+
     # --- names (the gateway's models) ----------------------------------------------------------
     def models(self) -> dict[str, str]:
         """model name -> group, for every group the gateway serves."""

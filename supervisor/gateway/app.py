@@ -26,7 +26,7 @@ from aiohttp import web
 
 from engined.engine.memory import trim
 from engined.supervisor import __version__
-from engined.supervisor.gateway import responses, tokens
+from engined.supervisor.gateway import responses, serverstats, tokens
 from engined.supervisor.gateway.choices import Choices
 from engined.supervisor.gateway.openai import (
     ApiError,
@@ -137,6 +137,7 @@ class Gateway:
         app.router.add_get("/version", self.version)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.tokenize)
+        app.router.add_get("/metrics", self.metrics)  # the inference gateway's protocol
         app.router.add_route("*", "/v1/{tail:.*}", self.by_model)  # the rest of a server's API
         return app
 
@@ -170,13 +171,20 @@ class Gateway:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if not self.api_key.allows(request.headers.get("Authorization")):
+        asked = request.path != "/metrics"  # scraped without a token, as vLLM's own
+        if asked and not self.api_key.allows(request.headers.get("Authorization")):
             raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer "
                                 "<token>' (the token in engined's api_key_file)",
                            kind="authentication_error", code="invalid_api_key")
         return await handler(request)
 
     # --- routes ------------------------------------------------------------------------------
+    async def metrics(self, request: web.Request) -> web.Response:
+        """vLLM's gauges per model (serverstats): the endpoint picker's model server protocol."""
+        text = serverstats.render(self.router, sorted(self.router.models().items()))
+        return web.Response(body=text.encode(),
+                            headers={"Content-Type": serverstats.CONTENT_TYPE})
+
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
         data = [{"id": name, "object": "model", "created": created, "owned_by": "engined",

@@ -120,6 +120,30 @@ def test_progress_heartbeats_busy_from_the_gauge_or_the_gateway_and_the_counter(
     run(main)
 
 
+def test_progress_heartbeats_carry_a_vllm_servers_queue_and_kv_cache_usage():
+    """What the gateway's model-server metrics say of a command engine (serverstats): its own
+    vllm:num_requests_waiting and vllm:kv_cache_usage_perc, where it says them."""
+    async def main():
+        page = {"waiting": "3", "usage": 'vllm:kv_cache_usage_perc{engine="0"} 0.25\n'}
+
+        def metrics() -> str:
+            return (f'x:running{{model="m"}} 2\nx:tokens_total{{model="m"}} 1\n'
+                    f'vllm:num_requests_waiting{{engine="0"}} {page["waiting"]}\n'
+                    + page["usage"])
+
+        watch, _, _, got, _ = _watch(ScriptedClient([], metrics), lambda: 0)
+        task = asyncio.ensure_future(watch.run())
+        await asyncio.sleep(1.5)
+        last = [m for m in got if isinstance(m, proto.Heartbeat)][-1]
+        assert (last.running, last.waiting, last.kv_cache_usage) == (2, 3, 0.25)
+        page.update(waiting="0", usage="")  # a server without the gauge: unknown, not 0
+        await asyncio.sleep(1)
+        last = [m for m in got if isinstance(m, proto.Heartbeat)][-1]
+        assert (last.waiting, last.kv_cache_usage) == (0, None)
+        task.cancel()
+    run(main)
+
+
 def test_metric_sum_reads_every_label_set_and_the_total_suffix():
     text = ('# HELP vllm:generation_tokens Generated.\n# TYPE vllm:generation_tokens counter\n'
             'vllm:generation_tokens_total{engine="0",model_name="m"} 10.0\n'
