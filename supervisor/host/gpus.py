@@ -99,3 +99,40 @@ async def wait_gpu_released(nvml: Nvml, name: str, pids: set[int], gpus: tuple[i
                      name, sorted(held), sorted({p for v in held.values() for p in v}))
             logged = True
         await asyncio.sleep(poll_s)
+
+
+def visible_gpus() -> tuple[tuple[int, ...], str]:
+    """The GPUs this process may hand out (`gpus: auto`), as the indices `gpus` takes (NVML's,
+    in PCI bus order), and where they were read:
+
+    * CUDA_VISIBLE_DEVICES in engined's own environment, when set: its indices up to the first
+      entry that is not one (CUDA's own rule), or its GPU UUIDs mapped to indices by NVML;
+    * else every device NVML enumerates (in a container, what the device plugin made visible);
+    * else the /dev/nvidiaN device files (a driver NVML could not be loaded for);
+    * else none: the engines run on the CPU."""
+    import os
+    import re
+
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    nvml = None
+    if env is not None:
+        items = [item.strip() for item in env.split(",") if item.strip()]
+        if not any(item.startswith(("GPU-", "MIG-")) for item in items):
+            indices: list[int] = []
+            for item in items:
+                if not item.isdigit():
+                    break
+                indices.append(int(item))
+            return tuple(indices), "CUDA_VISIBLE_DEVICES"
+        nvml = Nvml()
+        by_uuid = {d.uuid: d.index for d in nvml.devices()}
+        return (tuple(by_uuid[item] for item in items if item in by_uuid),
+                "CUDA_VISIBLE_DEVICES (UUIDs, through NVML)")
+    nvml = Nvml()
+    if nvml.available:
+        return tuple(d.index for d in nvml.devices()), "NVML"
+    try:
+        files = [n for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n)]
+    except OSError:
+        files = []
+    return tuple(range(len(files))), "/dev/nvidia*"

@@ -322,11 +322,17 @@ def _dtype(problems: _Problems, value: Any, path: str) -> Any:
     return value
 
 
+AUTO_GPUS = "auto"  # `gpus: auto`: resolved to the GPUs visible to engined (spec.resolve)
+
+
 def _gpus(problems: _Problems, value: Any, path: str) -> Any:
     if value is None:
         return ()
+    if value == AUTO_GPUS:
+        return AUTO_GPUS
     if not isinstance(value, list):
-        return problems.add(path, f"must be a list of GPU indices, got {_describe(value)}")
+        return problems.add(path, f"must be a list of GPU indices or 'auto', got "
+                                  f"{_describe(value)}")
     first: dict[int, int] = {}  # gpu -> position, to name the earlier entry
     bad = False
     for i, item in enumerate(value):

@@ -300,7 +300,9 @@ KEYS: tuple[Key, ...] = (
     Key("model", _SET, _model, "model",
         "builtin:echo, builtin:tiny-llama or {path: DIR, dtype: ...} (a Hugging Face directory)",
         Shown("model", fmt=_model_text), default=REQUIRED, child_only=True),
-    Key("gpus", _SET, _gpus, "gpus", "physical GPU indices, split across the replicas in order",
+    Key("gpus", _SET, _gpus, "gpus", "physical GPU indices, split across the replicas in order; "
+        "auto: the GPUs visible to engined (CUDA_VISIBLE_DEVICES, else NVML) that no other "
+        "engine takes",
         Shown("gpus", fmt=lambda gpus: ",".join(map(str, gpus)) or "none (CPU)")),
     Key("gpus_per_replica", _SET, _int_in(0, MAX_GPU_INDEX + 1), None,
         "each replica's share of gpus: len(gpus) = (replicas + standby) x gpus_per_replica",

@@ -12,6 +12,7 @@ from typing import Any
 
 from engined.supervisor.spec.checks import (
     _BAD,
+    AUTO_GPUS,
     _any_bad,
     _fmt_duration,
     _Located,
@@ -156,7 +157,8 @@ def _engines(
         got = "it is missing" if "engines" not in top else f"got {_describe(raw)}"
         problems.add("engines", f"must be a non-empty list of engines; {got}")
         return ()
-    groups = [_group(problems, item, i, defaults) for i, item in enumerate(raw)]
+    auto = _AutoGpus(raw)
+    groups = [_group(problems, item, i, defaults, auto) for i, item in enumerate(raw)]
     valid = [g for g in groups if g is not None]
     _check_names(problems, valid)
     _check_model_names(problems, valid)
@@ -168,8 +170,48 @@ def _engines(
     return tuple(replica for g in valid for replica in _expand(g))
 
 
+class _AutoGpus:
+    """`gpus: auto`: each such engine, in spec order, takes the GPUs visible to engined that no
+    engine lists and no earlier `auto` engine took: gpus_per_replica of them per replica (and
+    standby), or, with gpus_per_replica 0, an equal share of them. None visible: the CPU."""
+
+    def __init__(self, raw: list[Any]) -> None:
+        self.taken = {gpu for item in raw if isinstance(item, dict)
+                      and isinstance(item.get("gpus"), list)
+                      for gpu in item["gpus"] if isinstance(gpu, int)}
+        self._visible: tuple[tuple[int, ...], str] | None = None
+
+    def allot(self, problems: _Problems, s: dict[str, _Located], replicas: int,
+              path: str) -> None:
+        from engined.supervisor.host.gpus import visible_gpus
+
+        (gpus, gpus_at), (per, per_at) = s["gpus"], s["gpus_per_replica"]
+        if gpus != AUTO_GPUS or _any_bad(per, s["standby"][0]):
+            return
+        if self._visible is None:
+            self._visible = visible_gpus()
+        visible, source = self._visible
+        free = [g for g in visible if g not in self.taken]
+        count = replicas + s["standby"][0]
+        if not visible and per == 0:
+            s["gpus"] = ((), gpus_at)  # no GPU here: the engines run on the CPU
+            return
+        per = per or len(free) // count
+        if per == 0 or len(free) < count * per:
+            problems.add(gpus_at or f"{path}.gpus",
+                         f"gpus: auto found {len(free)} free GPU(s) of {len(visible)} visible "
+                         f"(from {source}), but {count} replica(s) x gpus_per_replica "
+                         f"({per or 1}) need {count * (per or 1)}")
+            s["gpus"] = (_BAD, gpus_at)
+            return
+        chosen = tuple(free[:count * per])
+        self.taken.update(chosen)
+        s["gpus"], s["gpus_per_replica"] = (chosen, gpus_at), (per, per_at)
+
+
 def _group(
-    problems: _Problems, raw: Any, index: int, defaults: dict[str, _Located]
+    problems: _Problems, raw: Any, index: int, defaults: dict[str, _Located],
+    auto: _AutoGpus | None = None
 ) -> _Group | None:
     path = f"engines[{index}]"
     section = _mapping(problems, raw, path)
@@ -211,6 +253,8 @@ def _group(
                      f"standby is not supported with data_parallel: true (a spare rank could "
                      f"not join a running torch.distributed group){_for(standby_at or path, path)}")
     if replicas is not _BAD:
+        if auto is not None:
+            auto.allot(problems, settings, replicas, path)
         _check_gpu_split(problems, settings, replicas, path)
         port = settings["port"][0]
         if port not in (None, 0, _BAD) and port + replicas - 1 > 65535:

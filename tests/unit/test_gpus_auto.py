@@ -1,0 +1,69 @@
+"""`gpus: auto` (spec.resolve, host.gpus.visible_gpus): each `auto` engine, in spec order, takes
+the GPUs visible to engined that no engine lists and no earlier `auto` engine took; what cannot
+be met is a spec error naming the engine, the count and where the GPUs were read."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from engined.supervisor.spec import SpecError, parse_fleet
+
+FLEET = textwrap.dedent("""\
+    version: 1
+    engines:
+      - name: a
+        model: builtin:echo
+        replicas: 2
+        gpus: auto
+        gpus_per_replica: 1
+      - name: b
+        model: builtin:echo
+        gpus: auto
+      - name: c
+        model: builtin:echo
+        gpus: [1]
+        gpus_per_replica: 1
+    """)
+
+
+def _gpus(text: str) -> dict[str, tuple[int, ...]]:
+    return {e.name: e.gpus for e in parse_fleet(text, "fleet.yaml").engines}
+
+
+def test_auto_engines_share_the_visible_gpus_around_the_listed_ones(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4")
+    # b has gpus_per_replica 0: an equal share of what a left (2, 4 after c's 1 and a's 0, 2)
+    assert _gpus(FLEET) == {"a-0": (0,), "a-1": (2,), "b-0": (3, 4), "c-0": (1,)}
+
+
+def test_cuda_visible_devices_stops_at_its_first_entry_that_is_not_an_index(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2,-1,3")  # CUDA's rule: 3 is not visible
+    with pytest.raises(SpecError) as info:
+        parse_fleet(FLEET, "fleet.yaml")
+    message = str(info.value)
+    assert "engines[1].gpus" in message and "found 0 free GPU(s) of 2 visible" in message
+    assert "CUDA_VISIBLE_DEVICES" in message
+
+
+def test_too_few_visible_gpus_is_a_spec_error(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(SpecError) as info:
+        parse_fleet(FLEET, "fleet.yaml")
+    assert "engines[0].gpus: gpus: auto found 1 free GPU(s) of 2 visible (from " \
+           "CUDA_VISIBLE_DEVICES), but 2 replica(s) x gpus_per_replica (1) need 2" in \
+           str(info.value)
+
+
+def test_auto_without_any_gpu_runs_on_the_cpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    fleet = FLEET.replace("    gpus_per_replica: 1\n  - name: b", "  - name: b")
+    assert _gpus(fleet.split("  - name: c")[0]) == {"a-0": (), "a-1": (), "b-0": ()}
+
+
+def test_gpus_must_be_a_list_or_auto():
+    with pytest.raises(SpecError) as info:
+        parse_fleet(FLEET.replace("gpus: auto\n    gpus_per_replica: 1", "gpus: all"),
+                    "fleet.yaml")
+    assert "must be a list of GPU indices or 'auto'" in str(info.value)
