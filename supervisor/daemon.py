@@ -39,9 +39,11 @@ from engined.supervisor.host.runtime import (
     resolve_log_dir,
     resolve_runtime_dir,
 )
+from engined.supervisor.notices import StateChange
 from engined.supervisor.reload import LIVE_SUPERVISOR_KEYS, ReloadRejected, plan_reload
 from engined.supervisor.services import Paths, Services, status_line
 from engined.supervisor.spec import FleetSpec, SpecError, format_fleet, host_warnings, load_fleet
+from engined.supervisor.state import EngineState
 from engined.supervisor.upgrade import InPlace
 from engined.supervisor.webserver import CappedRunner
 
@@ -66,6 +68,7 @@ class Daemon:
         self.claimer: recovery.Claimer | None = None  # set when resumed after engined died
         self.keeper: recovery.Keeper | None = None  # <runtime_dir>/state.json, kept current
         self.kept_roots: set[int] = set()  # dead daemons whose scratch roots adopted engines use
+        self.exit_code = EXIT_OK  # EXIT_FAILURE: supervisor.exit_on_failed saw an engine FAILED
         self.runners: dict[str, CappedRunner] = {}
         self.in_place = InPlace(self)  # upgrades (supervisor.upgrade)
         self.commands: asyncio.Queue[tuple[DaemonCommand, Any]] = asyncio.Queue()
@@ -84,6 +87,16 @@ class Daemon:
         services.control.upgrade = daemon.request_upgrade
         services.control.handover_info = daemon.in_place.info
         return daemon
+
+    def _on_state(self, change: StateChange) -> None:
+        """supervisor.exit_on_failed: an engine parked FAILED ends engined with exit 1, so that
+        the kubelet's (or systemd's) own restart and backoff take over the whole pod."""
+        view = change.view
+        if view.state is EngineState.FAILED and self.exit_code == EXIT_OK:
+            log.error("[shutdown] %s is FAILED (%s) and supervisor.exit_on_failed is set: "
+                      "stopping every engine, then exiting 1", view.name, view.fail_reason)
+            self.exit_code = EXIT_FAILURE
+            self.dispatch(DaemonCommand.SHUTDOWN)
 
     def dispatch(self, command: DaemonCommand, reply: Any = None) -> None:
         """The one entry for signals (via the loop's signal handlers) and control requests."""
@@ -120,6 +133,8 @@ class Daemon:
             loop.add_signal_handler(sig, self.dispatch, DaemonCommand.SHUTDOWN)
         loop.add_signal_handler(signal.SIGHUP, self.dispatch, DaemonCommand.RELOAD)
         loop.add_signal_handler(signal.SIGUSR2, self.dispatch, DaemonCommand.UPGRADE)
+        if self.spec.supervisor.exit_on_failed:
+            s.notices.state.subscribe(self._on_state)
         s.channels.start()
         s.monitor.start()
         resumed = self.resumed
@@ -140,7 +155,7 @@ class Daemon:
             await self._command_loop()
         finally:
             await self._shutdown(list(self.runners.values()))
-        return EXIT_OK
+        return self.exit_code
 
     def _adopted_roots(self) -> set[int]:
         """The daemons whose scratch roots adopted engines still use (their TMPDIRs)."""
@@ -217,6 +232,7 @@ class Daemon:
         if self.keeper is not None:  # the state kept is the fleet's before the shutdown's stops
             self.keeper.closed = True
         s.notifier.stopping()
+        s.fleet.stopping = True  # /readyz says 503 from now on, before the drain
         log.info("[shutdown] stopping %d engines", len(s.fleet.replicas))
         started = time.monotonic()
         second_signal = asyncio.ensure_future(self._second_shutdown_signal())
@@ -243,6 +259,8 @@ class Daemon:
         snapshot.path_in(self.paths.runtime_dir).unlink(missing_ok=True)  # nothing to adopt
         for pid in {None, *self.kept_roots}:
             await asyncio.to_thread(scratch.remove_root, pid)
+        if s.stdout is not None:  # engine_logs: stdout: the last lines out before we exit
+            await asyncio.to_thread(s.stdout.flush)
         log.info("[shutdown] done in %.2fs", time.monotonic() - started)
 
     async def _second_shutdown_signal(self) -> None:

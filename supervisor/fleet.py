@@ -47,6 +47,7 @@ class Fleet:
         self.spec = spec
         self.router = router  # a rollout drains through it
         self.addresses = addresses  # the replicas bind their children's addresses in it
+        self.stopping = False  # engined is shutting down (/readyz answers 503)
         self._rollouts: dict[str, asyncio.Task[None]] = {}
         self.make_replica = make_replica
         self.clock = clock
@@ -62,7 +63,7 @@ class Fleet:
 
     # --- views -------------------------------------------------------------------------------
     def view(self) -> FleetView:
-        return FleetView(tuple(r.view() for r in self.replicas.values()))
+        return FleetView(tuple(r.view() for r in self.replicas.values()), self.stopping)
 
     def counts(self) -> tuple[int, int]:
         return self.view().counts()

@@ -5,6 +5,12 @@ The pipe is read by the event loop, so everything the child's process writes at 
 kept with each unexpected exit, and `enginectl logs -f` followers get lines as they arrive. A log
 file that cannot be written (full disk, permissions) never stops supervision: lines still reach
 the ring and followers, and the file is retried a second later.
+
+With `supervisor.engine_logs: stdout` (a container, whose runtime collects only its main
+process's output) no file is written: each line goes to engined's stdout instead, prefixed with
+its engine (`NAME | line`), from a thread of its own so that a slow reader of the container's
+output never holds up the event loop; past STDOUT_QUEUE lines waiting, lines are dropped and
+counted (`lines_dropped`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import collections
 import errno
 import logging
 import os
+import queue as queues
+import threading
 import time
 from pathlib import Path
 
@@ -24,14 +32,54 @@ DEFAULT_BACKUPS = 3
 TAIL_LINES = 500
 _RETRY_S = 1.0
 _MAX_LINE = 16 * 1024
+STDOUT_QUEUE = 10_000
+
+
+class StdoutLines:
+    """Engine lines to engined's stdout (fd 1), written by a daemon thread."""
+
+    def __init__(self, fd: int = 1) -> None:
+        self.fd = fd
+        self.lines_dropped = 0
+        self._queue: queues.Queue[bytes] = queues.Queue(STDOUT_QUEUE)
+        self._thread: threading.Thread | None = None
+
+    def put(self, line: str) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._write, name="engine-stdout",
+                                            daemon=True)
+            self._thread.start()
+        try:
+            self._queue.put_nowait(line.encode("utf-8", "replace"))
+        except queues.Full:
+            self.lines_dropped += 1
+
+    def flush(self, timeout_s: float = 2.0) -> None:
+        """Until what was queued is written (shutdown), at most `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _write(self) -> None:
+        while True:
+            data = self._queue.get()
+            try:
+                while data:
+                    data = data[os.write(self.fd, data):]
+            except OSError:
+                pass  # nobody reads our stdout any more: the line is lost, supervision goes on
+            finally:
+                self._queue.task_done()
 
 
 class LogSink:
     """One engine's log: file with rotation, a line ring, and live followers."""
 
     def __init__(self, path: Path, max_bytes: int = DEFAULT_MAX_BYTES,
-                 backups: int = DEFAULT_BACKUPS) -> None:
+                 backups: int = DEFAULT_BACKUPS, stdout: StdoutLines | None = None,
+                 name: str = "") -> None:
         self.path = path
+        self.stdout, self.prefix = stdout, f"{name} | "  # no file then: lines to stdout
         self.max_bytes = max_bytes
         self.backups = backups
         self.ring: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -70,6 +118,8 @@ class LogSink:
         self.feed(stamped.encode())
 
     def _add_line(self, line: str) -> None:
+        if self.stdout is not None:
+            self.stdout.put(self.prefix + line + "\n")
         self.ring.append(line)
         self.lines_total += 1
         for queue, prefix in self.followers.items():
@@ -86,7 +136,8 @@ class LogSink:
     def last_lines(self, count: int) -> list[str]:
         """The last `count` lines, read from the file (and its backup) when the ring is short
         and the file holds everything the ring does."""
-        if count <= len(self.ring) or self.lines_total - self._unwritten_mark < TAIL_LINES:
+        if (count <= len(self.ring) or self.stdout is not None
+                or self.lines_total - self._unwritten_mark < TAIL_LINES):
             return list(self.ring)[len(self.ring) - count:] if count else []
         lines: list[str] = []
         for path in (self.path.with_name(self.path.name + ".1"), self.path):
@@ -110,6 +161,8 @@ class LogSink:
     # --- file --------------------------------------------------------------------------------
     def _write_file(self, data: bytes) -> bool:
         """Append to the file; False if (some of) it could not be written."""
+        if self.stdout is not None:
+            return True  # engine_logs: stdout (the line goes there from _add_line)
         if self._file is None and not self._open():
             return False
         assert self._file is not None

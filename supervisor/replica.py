@@ -34,7 +34,7 @@ from engined.supervisor.host.oom import OomWitness
 from engined.supervisor.host.reaper import Reaper
 from engined.supervisor.incarnation import Incarnation
 from engined.supervisor.liveness import HeartbeatLiveness, Liveness, ProbeLiveness
-from engined.supervisor.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, LogSink
+from engined.supervisor.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, LogSink, StdoutLines
 from engined.supervisor.loopmonitor import LoopMonitor
 from engined.supervisor.notices import Notices, StateChange
 from engined.supervisor.policy import Action, Decision, FailureHistory, Reason
@@ -127,6 +127,7 @@ class ReplicaDeps:
     oom: OomWitness | None = None  # says whether the OOM killer sent an unexpected SIGKILL
     log_max_bytes: int = DEFAULT_MAX_BYTES  # supervisor.log_max_bytes
     log_backups: int = DEFAULT_BACKUPS  # supervisor.log_backups
+    stdout: StdoutLines | None = None  # supervisor.engine_logs: stdout
     rng: random.Random = field(default_factory=random.Random)
     probes: ProbeClient = field(default_factory=ProbeClient)  # command engines' HTTP probes
     # requests routed to an incarnation now (supervisor.routing counts them)
@@ -146,7 +147,7 @@ class Replica:
     def __init__(self, spec: EngineSpec, deps: ReplicaDeps, owner: Owner) -> None:
         self.spec, self.deps, self.owner, self.clock = spec, deps, owner, deps.clock
         self.log = LogSink(deps.log_dir / f"{spec.name}.log", deps.log_max_bytes,
-                           deps.log_backups)
+                           deps.log_backups, deps.stdout, spec.name)
         self.state = EngineState.STOPPED
         self.desired = Desired.RUN
         self.incarnation = 0  # how many incarnations this replica has had (promotions count)

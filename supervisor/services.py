@@ -40,6 +40,7 @@ from engined.supervisor.host.oom import OomWitness
 from engined.supervisor.host.reaper import Reaper
 from engined.supervisor.host.runtime import StartupError
 from engined.supervisor.ipc import EngineChannels
+from engined.supervisor.logs import StdoutLines
 from engined.supervisor.loopmonitor import LoopMonitor
 from engined.supervisor.monitoring import MonitoringEndpoint
 from engined.supervisor.notices import Notices, StateChange
@@ -92,6 +93,8 @@ class Services:
     changed: asyncio.Event  # set when what the state snapshot holds changed
     # what each HTTP server did to its clients (webserver: shed, refused, timed out), by server
     clients: dict[str, collections.Counter[str]] = dataclasses.field(default_factory=dict)
+    notices: Notices = dataclasses.field(default_factory=Notices)  # the replicas' own
+    stdout: StdoutLines | None = None  # supervisor.engine_logs: stdout
 
     @classmethod
     def build(cls, spec: FleetSpec, paths: Paths, nofile: int | None,
@@ -113,6 +116,7 @@ class Services:
                              budget=budget, nofile=nofile, watcher=watcher)
         execs.orphan_timeout_s = sup.orphan_timeout_s
         launcher = ForkServerLauncher(execs, paths.log_dir)
+        stdout = StdoutLines() if sup.engine_logs == "stdout" else None
         deps = ReplicaDeps(
             loop=loop, clock=clock, launcher=launcher, log_dir=paths.log_dir,
             control_endpoint=channels.control_endpoint,
@@ -121,7 +125,7 @@ class Services:
             heartbeat_timeout_s=sup.heartbeat_timeout_s, monitor=monitor, notices=notices,
             addresses=addresses, reaper=reaper, nvml=sampler.nvml, oom=OomWitness(),
             log_max_bytes=sup.log_max_bytes, log_backups=sup.log_backups, probes=probes,
-            in_flight=router.in_flight, counted=changed.set)
+            in_flight=router.in_flight, counted=changed.set, stdout=stdout)
         fleet = Fleet(spec, lambda engine, owner: Replica(engine, deps, owner), clock, router,
                       addresses)
         events = EventLog()
@@ -146,7 +150,7 @@ class Services:
         watcher.on_change.append(lambda pid, alive: changed.set())  # the snapshot is due
         return cls(clock, monitor, notifier, sampler, probes, watcher, reaper, guard, budget,
                    launcher, channels, router, fleet, events, control, upstream, gateway,
-                   changed)
+                   changed, notices=notices, stdout=stdout)
 
     async def serve(self, spec: FleetSpec, paths: Paths,
                     inherited: dict[str, int] | None = None) -> dict[str, CappedRunner]:

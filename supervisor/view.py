@@ -89,6 +89,7 @@ class EngineView:
 @dataclass(frozen=True)
 class FleetView:
     engines: tuple[EngineView, ...]
+    stopping: bool = False  # engined is shutting down: not ready, whatever the engines
 
     def wanted(self) -> list[EngineView]:
         """The serving replicas that should run (standbys are counted apart: `standbys`)."""
@@ -124,7 +125,10 @@ class FleetView:
 
     def readiness(self) -> tuple[int, dict[str, Any]]:
         """/readyz: 200 when every group that should serve has a READY replica; 503 when one has
-        none, and when nothing should serve at all (every engine stopped)."""
+        none, when nothing should serve at all (every engine stopped), and from the moment
+        engined begins to shut down (a SIGTERM: its drain runs behind a 503)."""
+        if self.stopping:
+            return 503, {"status": "shutting down", "groups": {}}
         groups = {group: any(e.is_ready for e in members if e.wanted and not e.standby)
                   for group, members in self.groups().items()
                   if any(e.wanted and not e.standby for e in members)}

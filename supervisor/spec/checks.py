@@ -33,6 +33,7 @@ BUILTIN_MODELS = ("echo", "tiny-llama")
 _DTYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 RESTART_POLICIES = ("always", "on-failure", "never")
 LAUNCHERS = ("forkserver", "exec")  # how engine children start (command engines: exec)
+ENGINE_LOGS = ("files", "stdout")  # where engine output goes (supervisor.engine_logs)
 RESERVED_NAMES = ("all",)  # enginectl's "every engine"
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NOTIFY_SOCKET")  # plus the ENGINED_ prefix
 # ...except the knobs the engine child itself reads (engine/echo.py, engine/checkpoint.py): a spec

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from engined.supervisor.spec.checks import (
     BACKENDS,
+    ENGINE_LOGS,
     LAUNCHERS,
     MAX_GPU_INDEX,
     RESTART_POLICIES,
@@ -282,6 +283,15 @@ KEYS: tuple[Key, ...] = (
     Key("clients.max_per_address", _SUP, _int_in(0, 1 << 20), "clients.max_per_address",
         "open connections from one client address (gateway and metrics); 0: no cap",
         Shown("clients", "{} per address", lambda n: n or None)),
+    Key("exit_on_failed", _SUP, _bool, "exit_on_failed",
+        "an engine parked FAILED stops every engine and engined exits 1 (a container's "
+        "orchestrator restarts the pod instead of leaving it degraded)",
+        Shown("kubernetes", "exit_on_failed", lambda on: True if on else None)),
+    Key("engine_logs", _SUP, _enum(ENGINE_LOGS), "engine_logs",
+        "files: each engine's output in log_dir; stdout: on engined's stdout instead, each "
+        "line prefixed with its engine (what a container's log collector reads)",
+        Shown("kubernetes", "engine logs on stdout",
+              lambda where: True if where == "stdout" else None)),
     # an engine's own (the header of its --check rows shows them)
     Key("name", _ENG, _engine_name, "group",
         "the engine's name; its replicas are NAME-0, NAME-1, ...", default=REQUIRED),
