@@ -91,6 +91,7 @@ class Daemon:
         self.server_pids: set[int] = set()  # fork servers seen in status
         self.expect_unclean_exit = False  # set by tests that kill the daemon on purpose
         self.env_changes: dict[str, str | None] = dict(env or {})
+        self.wrapper: list[str] = []  # a command engined runs under (unshare for PID 1)
         self.spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
 
     # --- process ---------------------------------------------------------------------------
@@ -111,7 +112,8 @@ class Daemon:
         self.returncode = None
         with open(self.stderr_path, "ab") as err:
             self.proc = subprocess.Popen(
-                [PYTHON, "-m", "engined.supervisor.daemon", "-c", str(self.spec_path)],
+                [*self.wrapper, PYTHON, "-m", "engined.supervisor.daemon", "-c",
+                 str(self.spec_path)],
                 cwd=REPO_ROOT, env=self.environment(), stdin=subprocess.DEVNULL,
                 stdout=err, stderr=err, pass_fds=pass_fds)
         self.wait_for(self._answers, timeout_s, "the control socket to answer")
