@@ -82,8 +82,12 @@ def test_slow_bodies_do_not_keep_a_good_client_out(engined):
         started = time.monotonic()
         assert _good_client(gateway) == "hello"
         print(f"a good request under {FLOOD} slow bodies: {time.monotonic() - started:.3f}s")
-        shed = _metric(http, 'engined_http_connections_shed_total{reason="slow",server="gateway"}')
-        assert shed > 0
+        # a flood connection is shed as "slow" once its body is being read, as "idle" while
+        # its headers are not read yet (on a loaded machine, many of them): either frees a place
+        shed = {reason: _metric(http, f'engined_http_connections_shed_total{{reason="{reason}",'
+                                      f'server="gateway"}}') for reason in ("slow", "idle")}
+        print(f"shed: {shed}")
+        assert sum(shed.values()) > 0, shed
         # those still open get a 408 at their body deadline (3 s + 1000 bytes at 1 MiB/s)
         answer = _closed(socks[-1], 30)
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
