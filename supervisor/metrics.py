@@ -42,6 +42,7 @@ class FleetCollector:
         self._gateway: GatewayStats | None = None
         self._handover: dict[str, Any] = {}
         self._clients: dict[str, Any] = {}
+        self.replica_ports: dict[int, str] = {}  # supervisor.replica_ports: port -> replica
 
     def update(self, views: Iterable[EngineView], sample: Sample,
                ipc_dropped: dict[str, int], monitor: LoopMonitor | None = None,
@@ -71,6 +72,19 @@ class FleetCollector:
         yield from self._gateway_metrics()
         yield from self._handover_metrics()
         yield from self._client_metrics()
+        yield from self._replica_metrics()
+
+    def _replica_metrics(self) -> Iterator[Metric]:
+        """supervisor.replica_ports: whether each replica's own port has a READY engine behind
+        it (0: requests there get a 503 at once)."""
+        if not self.replica_ports:
+            return
+        up = GaugeMetricFamily("engined_replica_up", "A replica's own port (replica_ports) "
+                               "serves: 1, its replica is READY", labels=["port"])
+        ready = {v.name: v.is_ready for v in self._views}
+        for port, name in sorted(self.replica_ports.items()):
+            up.add_metric([str(port)], 1.0 if ready.get(name) else 0.0)
+        yield up
 
     def _client_metrics(self) -> Iterator[Metric]:
         """What the HTTP servers did to their clients (supervisor.webserver), by server:

@@ -28,9 +28,11 @@ class MonitoringEndpoint:
     def __init__(self, fleet: Fleet, channels: EngineChannels, sampler: Sampler,
                  monitor: LoopMonitor, gateway: Gateway | None = None,
                  handover: Callable[[], dict[str, Any]] = dict,
-                 clients: Callable[[], dict[str, Any]] = dict) -> None:
+                 clients: Callable[[], dict[str, Any]] = dict,
+                 replica_ports: Callable[[], dict[int, str]] = dict) -> None:
         self.fleet, self.channels, self.sampler, self.monitor = fleet, channels, sampler, monitor
         self.gateway, self.handover, self.clients = gateway, handover, clients
+        self.replica_ports = replica_ports
         self.collector = FleetCollector()
         self.registry = make_registry(self.collector)
 
@@ -49,6 +51,7 @@ class MonitoringEndpoint:
         self.collector.update(views, sample, self.channels.dropped, self.monitor,
                               gateway.stats if gateway else None, self.handover(),
                               self.clients())
+        self.collector.replica_ports = self.replica_ports()
         body = render(self.registry)  # on the loop: the handles are the loop's, not a thread's
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

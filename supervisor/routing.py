@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import itertools
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from engined.supervisor.replica import Replica
 from engined.supervisor.spec import EngineSpec
 
 RECHECK_S = 0.1  # a waiting request looks again this often (heartbeats refresh without events)
+# supervisor.replica_ports: the replica a request came in for (its own port), while it is handled
+PINNED: contextvars.ContextVar[str | None] = contextvars.ContextVar("pinned", default=None)
 
 
 class NoRoute(Exception):
@@ -78,6 +81,9 @@ class LostOn:
         self._at[incarnation] = self.clock()
         self.last = f"{incarnation.address[0]}: {how}" if how else self.last
 
+    def __len__(self) -> int:
+        return len(self._at)
+
     def __contains__(self, incarnation: object) -> bool:
         if not isinstance(incarnation, Incarnation) or incarnation not in self._at:
             return False
@@ -105,8 +111,11 @@ class Router:
     def models(self) -> dict[str, str]:
         """model name -> group, for every group the gateway serves."""
         out: dict[str, str] = {}
+        pinned = PINNED.get()
         for replica in self._replicas():
             spec = replica.spec
+            if pinned is not None and spec.name != pinned:
+                continue  # a replica's own port serves its model alone
             if spec.is_command and not spec.openai:
                 continue  # a server whose API the gateway does not speak
             if not replica.standby:
@@ -193,7 +202,17 @@ class Router:
     async def acquire(self, group: str, deadline: float,
                       avoid: Container[Incarnation] = ()) -> Lease:
         """A routable replica of `group`, not on an incarnation of `avoid`, waiting for one if
-        need be (its replacement, when every replica is down); NoReplica past the deadline."""
+        need be (its replacement, when every replica is down); NoReplica past the deadline.
+        On a replica's own port (PINNED) that replica, or NoReplica at once when it cannot
+        serve (the endpoint picker asks another); a request it lost goes on on its siblings."""
+        pinned = PINNED.get()
+        if pinned is not None and not avoid:
+            for replica in self._replicas():
+                if replica.spec.name == pinned and (inc := self.routable(replica)) is not None:
+                    self._load[inc] += 1
+                    return Lease(replica, inc)
+            raise NoReplica(f"replica {pinned} is not serving now (draining, restarting or "
+                            f"stopped): send the request to another endpoint")
         return await self._wait_for(
             lambda: [r for r in self._replicas() if r.spec.group == group], deadline, False,
             None, f"no replica of '{group}' could serve the request in time", avoid)

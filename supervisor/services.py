@@ -95,6 +95,8 @@ class Services:
     clients: dict[str, collections.Counter[str]] = dataclasses.field(default_factory=dict)
     notices: Notices = dataclasses.field(default_factory=Notices)  # the replicas' own
     stdout: StdoutLines | None = None  # supervisor.engine_logs: stdout
+    # supervisor.replica_ports: port -> the serving replica it is the own port of
+    replica_ports: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, spec: FleetSpec, paths: Paths, nofile: int | None,
@@ -163,7 +165,7 @@ class Services:
         if sup.http is not None:
             endpoint = MonitoringEndpoint(self.fleet, self.channels, self.sampler, self.monitor,
                                           self.gateway, lambda: self.control.handover_info(),
-                                          lambda: self.clients)
+                                          lambda: self.clients, lambda: self.replica_ports)
             runners["http"] = await self._serve_tcp(endpoint.make_app(), sup.http,
                                                     MAX_HTTP_CONNECTIONS, "HTTP", "http",
                                                     given.get("http"), sup.clients)
@@ -177,6 +179,26 @@ class Services:
                      "/v1/responses, /v1/models, /tokenize, /detokenize) on %s:%d%s",
                      *sup.gateway,
                      " (bearer token required)" if sup.api_key_file else "")
+            if sup.replica_ports is not None:
+                runners.update(await self._serve_replicas(spec, sup.gateway[0],
+                                                          sup.replica_ports))
+        return runners
+
+    async def _serve_replicas(self, spec: FleetSpec, host: str,
+                              base: int) -> dict[str, CappedRunner]:
+        """supervisor.replica_ports: each serving replica, in spec order, on a port of its own
+        (the replicas the spec has at start: ports follow a reload's new replicas only at the
+        next start of engined)."""
+        assert self.gateway is not None
+        sup, runners = spec.supervisor, {}
+        serving = [e.name for e in spec.engines if not e.standby]
+        for port, name in enumerate(serving, start=base):
+            runners[f"replica:{name}"] = await self._serve_tcp(
+                self.gateway.make_app(pinned=name), (host, port), sup.clients.max_connections,
+                f"replica {name}", "replica_ports", None, sup.clients)
+            self.replica_ports[port] = name
+        log.info("[gateway] replicas on their own ports %s:%d..%d (%s)", host, base,
+                 base + len(serving) - 1, ", ".join(serving))
         return runners
 
     async def _serve_control(self, path: Path, fd: int | None) -> CappedRunner:

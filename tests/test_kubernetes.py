@@ -139,8 +139,13 @@ def test_the_inference_pool_routes_to_each_pods_gateway(monkeypatch):
     numbers = [p["number"] for p in pool["targetPorts"]]
     assert len(numbers) == len(set(numbers)) and 1 <= len(numbers) <= 8, numbers
     fleet = _fleet(objects, int(container["resources"]["limits"]["nvidia.com/gpu"]), monkeypatch)
-    gateway = fleet.supervisor.gateway
-    assert gateway is not None and numbers == [gateway[1]]  # the model server protocol's port
+    gateway, base = fleet.supervisor.gateway, fleet.supervisor.replica_ports
+    assert gateway is not None
+    # the pod's gateway (routed per pod), or each replica's own port (routed per engine)
+    replicas = [base + i for i, _ in enumerate(e for e in fleet.engines if not e.standby)] \
+        if base is not None else []
+    assert numbers in ([gateway[1]], replicas), (numbers, gateway, replicas)
+    assert set(numbers) <= {p["containerPort"] for p in container["ports"]}
     assert pool["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
 
 

@@ -42,7 +42,7 @@ from engined.supervisor.gateway.relay import Relay
 from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.ipc import EngineChannels
 from engined.supervisor.loopmonitor import LagHistogram
-from engined.supervisor.routing import Closing, QueueFull, Router, UnknownModel
+from engined.supervisor.routing import PINNED, Closing, QueueFull, Router, UnknownModel
 from engined.supervisor.webserver import BodyTimeout, read_body
 
 log = logging.getLogger("engined.gateway")
@@ -54,6 +54,7 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
+PINNED_KEY = web.AppKey("pinned", str)  # the replica a port serves (replica_ports)
 TRIM_EVERY_S = 10.0  # the daemon trims its heap when the gateway goes idle, at most this often
 
 
@@ -126,9 +127,14 @@ class Gateway:
     def _first(self, model: str, seconds: float) -> None:
         self.stats.observe(self.stats.ttft, model, seconds)
 
-    def make_app(self) -> web.Application:
+    def make_app(self, pinned: str | None = None) -> web.Application:
+        """The gateway's routes; `pinned`: a replica's own port (supervisor.replica_ports),
+        where requests go to that replica (and move to its siblings only if it dies)."""
+        middlewares = [self._errors, self._auth]
         app = web.Application(client_max_size=MAX_BODY_BYTES,
-                              middlewares=[self._errors, self._auth])
+                              middlewares=[self._pin, *middlewares] if pinned else middlewares)
+        if pinned:
+            app[PINNED_KEY] = pinned
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/responses", self.responses)
@@ -168,6 +174,14 @@ class Gateway:
         if not response.prepared:
             response.headers["X-Request-Id"] = rid
         return response
+
+    @web.middleware
+    async def _pin(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        token = PINNED.set(request.app[PINNED_KEY])
+        try:
+            return await handler(request)
+        finally:
+            PINNED.reset(token)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:

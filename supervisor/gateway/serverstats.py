@@ -12,7 +12,8 @@ endpoint (and what vLLM's own `/metrics` names them):
   where the engine said them.
 
 Each sample is labelled `model_name` (the served model name), as vLLM labels its own. No bearer
-token is asked for `/metrics`, as vLLM asks none.
+token is asked for `/metrics`, as vLLM asks none. On a replica's own port
+(`supervisor.replica_ports`) the figures are that replica's alone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Iterable
 from engined.engine import protocol as proto
 from engined.supervisor.incarnation import Incarnation
 from engined.supervisor.replica import Replica
-from engined.supervisor.routing import Router
+from engined.supervisor.routing import PINNED, Router
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _HELP = {
@@ -53,12 +54,16 @@ def _fill(replica: Replica, inc: Incarnation) -> float:
 
 def model_stats(router: Router, group: str) -> tuple[int, int, float, dict[str, float]]:
     """running, waiting, KV usage (0..1) and KV cache info of one group's serving replicas."""
-    members = [r for r in router.replicas() if r.spec.group == group]
+    pinned = PINNED.get()  # a replica's own port (supervisor.replica_ports): that replica's
+    members = [r for r in router.replicas()
+               if r.spec.group == group and pinned in (None, r.spec.name)]
     serving = [(r, inc) for r in members if not r.standby and (inc := r.serving()) is not None]
     beats = [hb for _, inc in serving if (hb := _beat(inc)) is not None]
     running = sum(hb.running for hb in beats)
     leased = sum(router.load(r) for r in members)
-    waiting = sum(hb.waiting for hb in beats) + max(0, router.queued[group] - leased)
+    waiting = sum(hb.waiting for hb in beats)
+    if pinned is None:  # what the gateway admitted and has not placed yet
+        waiting += max(0, router.queued[group] - leased)
     usage = sum(_fill(r, inc) for r, inc in serving) / len(serving) if serving else 0.0
     info: dict[str, float] = {}
     for _, inc in serving:

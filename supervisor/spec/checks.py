@@ -193,6 +193,11 @@ def _size(low: int, high: int) -> _Check:
     return check
 
 
+def _optional_port(problems: _Problems, value: Any, path: str) -> Any:
+    """A port number (1-65535), or null for none."""
+    return None if value is None else _int_in(1, 65535)(problems, value, path)
+
+
 def _optional_size(low: int, high: int) -> _Check:
     """A size (`_size`), or null for none."""
     inner = _size(low, high)

@@ -48,6 +48,7 @@ from engined.supervisor.spec.checks import (
     _jitter,
     _model,
     _openai,
+    _optional_port,
     _optional_size,
     _optional_text,
     _port,
@@ -283,6 +284,10 @@ KEYS: tuple[Key, ...] = (
     Key("clients.max_per_address", _SUP, _int_in(0, 1 << 20), "clients.max_per_address",
         "open connections from one client address (gateway and metrics); 0: no cap",
         Shown("clients", "{} per address", lambda n: n or None)),
+    Key("replica_ports", _SUP, _optional_port, "replica_ports",
+        "BASE: each serving replica, in spec order, also on the gateway's host at BASE + i, "
+        "its own OpenAI API and /metrics (an inference pool's endpoint per engine); null: off",
+        Shown("gateway", "replicas on {} + i", sep=", ")),
     Key("exit_on_failed", _SUP, _bool, "exit_on_failed",
         "an engine parked FAILED stops every engine and engined exits 1 (a container's "
         "orchestrator restarts the pod instead of leaving it degraded)",

@@ -188,6 +188,7 @@ class SupervisorSpec:
     # engines outlive a dead engined this long, for the next one to adopt; 0: they die with it
     orphan_timeout_s: float = 60.0
     clients: ClientLimits = ClientLimits()  # slow, idle and too many clients (webserver)
+    replica_ports: int | None = None  # replica i of the fleet also on the gateway's host, BASE+i
     exit_on_failed: bool = False  # an engine FAILED: stop everything and exit 1
     engine_logs: str = "files"  # or "stdout": engine output on engined's stdout, prefixed
 

@@ -67,11 +67,35 @@ def _resolve(root: Any, lines: Mapping[str, int], source: str) -> FleetSpec:
     supervisor = _supervisor(problems, top.get("supervisor"))
     defaults = _defaults(problems, top.get("defaults"))
     engines = _engines(problems, top, defaults)
+    _check_replica_ports(problems, supervisor, engines)
     problems.raise_if_any(source, lines)
     if supervisor.launcher is not _BAD:
         engines = tuple(e if e.is_command or e.launcher else
                         dataclasses.replace(e, launcher=supervisor.launcher) for e in engines)
     return FleetSpec(source=source, supervisor=supervisor, engines=engines)
+
+
+def _check_replica_ports(problems: _Problems, sup: SupervisorSpec,
+                         engines: tuple[EngineSpec, ...]) -> None:
+    """supervisor.replica_ports: on the gateway's host, one port per serving replica, none of
+    them the gateway's or the HTTP endpoint's."""
+    base = sup.replica_ports
+    if base is None or _any_bad(base, sup.gateway, sup.http):
+        return
+    path = "supervisor.replica_ports"
+    if sup.gateway is None:
+        problems.add(path, "replica_ports needs supervisor.gateway (its host, and the API the "
+                           "replicas' ports serve)")
+        return
+    count = sum(1 for e in engines if not e.standby)
+    ports = range(base, base + count)
+    if count and ports[-1] > 65535:
+        problems.add(path, f"{count} replicas need ports {base}..{ports[-1]}: past 65535")
+    for what, address in (("gateway", sup.gateway), ("http", sup.http)):
+        if address is not None and address[1] in ports and (
+                address[0] == sup.gateway[0] or "0.0.0.0" in (address[0], sup.gateway[0])):
+            problems.add(path, f"replica ports {base}..{base + count - 1} include "
+                               f"supervisor.{what}'s port {address[1]}")
 
 
 def _check_version(problems: _Problems, top: Mapping[str, Any]) -> None:

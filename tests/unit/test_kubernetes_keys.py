@@ -1,6 +1,8 @@
-"""`gpus: auto` (spec.resolve, host.gpus.visible_gpus): each `auto` engine, in spec order, takes
-the GPUs visible to engined that no engine lists and no earlier `auto` engine took; what cannot
-be met is a spec error naming the engine, the count and where the GPUs were read."""
+"""The spec keys for running in a pod. `gpus: auto` (spec.resolve, host.gpus.visible_gpus):
+each `auto` engine, in spec order, takes the GPUs visible to engined that no engine lists and
+no earlier `auto` engine took; what cannot be met is a spec error naming the engine, the count
+and where the GPUs were read. `supervisor.replica_ports`: one port per serving replica on the
+gateway's host, none of them the gateway's or the HTTP endpoint's."""
 
 from __future__ import annotations
 
@@ -67,3 +69,24 @@ def test_gpus_must_be_a_list_or_auto():
         parse_fleet(FLEET.replace("gpus: auto\n    gpus_per_replica: 1", "gpus: all"),
                     "fleet.yaml")
     assert "must be a list of GPU indices or 'auto'" in str(info.value)
+
+
+@pytest.mark.parametrize("supervisor, fragment", [
+    ("replica_ports: 9000\n", "replica_ports needs supervisor.gateway"),
+    ("gateway: 127.0.0.1:9001\nreplica_ports: 9000\n",
+     "replica ports 9000..9003 include supervisor.gateway's port 9001"),
+    ("gateway: 127.0.0.1:8000\nhttp: 0.0.0.0:9002\nreplica_ports: 9000\n",
+     "replica ports 9000..9003 include supervisor.http's port 9002"),
+    ("gateway: 127.0.0.1:8000\nreplica_ports: 65534\n",
+     "4 replicas need ports 65534..65537: past 65535"),
+])
+def test_replica_ports_are_checked_against_the_fleet(monkeypatch, supervisor, fragment):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4")
+    text = FLEET.replace("engines:\n", "supervisor:\n" + textwrap.indent(supervisor, "  ")
+                         + "engines:\n")
+    with pytest.raises(SpecError) as info:
+        parse_fleet(text, "fleet.yaml")
+    assert "supervisor.replica_ports: " + fragment in str(info.value)
+    ok = text.replace("replica_ports", "# replica_ports")
+    if "gateway" in ok:
+        assert parse_fleet(ok, "fleet.yaml").supervisor.replica_ports is None
