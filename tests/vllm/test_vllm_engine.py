@@ -209,6 +209,45 @@ def test_vllms_serving_benchmark_loses_nothing_while_a_replica_is_killed(
     assert d.wait_restarted("vllm-1", victim, READY_TIMEOUT_S)["last_exit"]["signal"] == \
         "SIGKILL"
 
+def test_the_model_server_protocol_from_vllms_scheduler(ready_fleet: Daemon):
+    """The gateway port's /metrics (serverstats) for a backend: vllm engine: vLLM's own KV cache
+    usage and running requests while a burst runs, and its KV cache's blocks in
+    vllm:cache_config_info, parsed by Prometheus' own text parser."""
+    import threading
+    import urllib.request
+
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    d = ready_fleet
+    port = d.gateway_port  # type: ignore[attr-defined]
+
+    def scrape() -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            families = text_string_to_metric_families(r.read().decode())
+        return {s.name: s for f in families for s in f.samples
+                if s.labels.get("model_name") == "vllm"}
+
+    info = scrape()["vllm:cache_config_info"]
+    assert int(info.labels["block_size"]) > 0 and int(info.labels["num_gpu_blocks"]) > 0, info
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                           max_retries=0, timeout=REQUEST_TIMEOUT_S)
+    burst = [threading.Thread(target=client.completions.create, kwargs={
+        "model": "vllm", "prompt": f"request {i}: the quick brown fox", "max_tokens": 48})
+        for i in range(12)]
+    for t in burst:
+        t.start()
+    busy = d.wait_for(lambda: (m := scrape())["vllm:num_requests_running"].value > 0
+                      and m["vllm:kv_cache_usage_perc"].value > 0 and m, 120,
+                      "vLLM's running requests and KV cache usage on the gateway's /metrics",
+                      interval_s=0.05)
+    for t in burst:
+        t.join(REQUEST_TIMEOUT_S)
+    assert 0 < busy["vllm:kv_cache_usage_perc"].value <= 1
+    assert busy["vllm:num_requests_running"].value <= 16  # two replicas, max_batch_size 8
+    d.wait_for(lambda: scrape()["vllm:num_requests_running"].value == 0, 30, "idle again")
+
+
 def test_vllms_sampling_fields_on_the_vllm_backend(ready_fleet: Daemon, tiny_checkpoint: Path):
     check_sampling_fields(lambda body: _post(ready_fleet, body), "vllm-0", tiny_checkpoint)
 
