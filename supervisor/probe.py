@@ -270,14 +270,14 @@ class Prober:
         busy_gauge = metric_sum(text, progress.busy)
         state, now = self.progress, self.clock.monotonic()
         running = max(int(busy_gauge or 0), self.in_flight())
-        busy = running > 0
+        waiting = int(metric_sum(text, WAITING) or 0)
+        busy = running > 0 or waiting > 0  # either is work the stall check watches
         if counter is not None and counter != state.counter:
             state.counter, state.moved_at = counter, now
             state.iteration += 1
         elif busy and not state.busy:
             state.moved_at = now  # work just began: the stall clock starts now
-        state.busy, state.running = busy, running
-        state.waiting = int(metric_sum(text, WAITING) or 0)
+        state.busy, state.running, state.waiting = busy, running, waiting
         usage = next((u for name in KV_CACHE_USAGE if (u := metric_sum(text, name)) is not None),
                      None)
         state.kv_cache_usage = min(1.0, max(0.0, usage)) if usage is not None else None

@@ -122,24 +122,31 @@ def test_progress_heartbeats_busy_from_the_gauge_or_the_gateway_and_the_counter(
 
 def test_progress_heartbeats_carry_a_vllm_servers_queue_and_kv_cache_usage():
     """What the gateway's model-server metrics say of a command engine (serverstats): its own
-    vllm:num_requests_waiting and vllm:kv_cache_usage_perc, where it says them."""
+    vllm:num_requests_waiting and vllm:kv_cache_usage_perc, where it says them. Requests only
+    waiting are work too: the stall clock starts when they appear, not at the last token of
+    long ago."""
     async def main():
-        page = {"waiting": "3", "usage": 'vllm:kv_cache_usage_perc{engine="0"} 0.25\n'}
+        page = {"running": "0", "waiting": "0",
+                "usage": 'vllm:kv_cache_usage_perc{engine="0"} 0.25\n'}
 
         def metrics() -> str:
-            return (f'x:running{{model="m"}} 2\nx:tokens_total{{model="m"}} 1\n'
+            return (f'x:running{{model="m"}} {page["running"]}\nx:tokens_total{{model="m"}} 1\n'
                     f'vllm:num_requests_waiting{{engine="0"}} {page["waiting"]}\n'
                     + page["usage"])
 
-        watch, _, _, got, _ = _watch(ScriptedClient([], metrics), lambda: 0)
+        watch, _, clock, got, _ = _watch(ScriptedClient([], metrics), lambda: 0)
         task = asyncio.ensure_future(watch.run())
+        await asyncio.sleep(3.5)  # idle: the counter last moved at the first read
+        began = clock.monotonic()
+        page["waiting"] = "3"
         await asyncio.sleep(1.5)
         last = [m for m in got if isinstance(m, proto.Heartbeat)][-1]
-        assert (last.running, last.waiting, last.kv_cache_usage) == (2, 3, 0.25)
-        page.update(waiting="0", usage="")  # a server without the gauge: unknown, not 0
+        assert (last.running, last.waiting, last.kv_cache_usage) == (0, 3, 0.25)
+        assert last.last_iteration_at >= began  # not the idle time before: no false stall
+        page.update(running="2", waiting="0", usage="")  # without the gauge: unknown, not 0
         await asyncio.sleep(1)
         last = [m for m in got if isinstance(m, proto.Heartbeat)][-1]
-        assert (last.waiting, last.kv_cache_usage) == (0, None)
+        assert (last.running, last.waiting, last.kv_cache_usage) == (2, 0, None)
         task.cancel()
     run(main)
 
