@@ -7,29 +7,18 @@ asserted."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from benchreport import tables
+from benchreport import run_quick, tables
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(900)]
 
 
 def test_clients_quick_holds_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "clients.md"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("ENGINED_") and k not in ("NOTIFY_SOCKET", "PYTHONPATH")}
-    done = subprocess.run([sys.executable, "-m", "bench.clients", "--quick", "--out", str(out)],
-                          cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                          text=True, timeout=800)
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-    text = out.read_text()
-    assert "processes left over and killed by pid: none" in text, text[-500:]
+    text = run_quick("clients", out, 800)
     assert "restarts during the run: 0" in text, text
     (rows,) = tables(text)
     assert [row[0] for row in rows] == ["slow flood", "streams", "disconnects"], rows

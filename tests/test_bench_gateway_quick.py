@@ -9,15 +9,12 @@ loses what was in flight on the victim.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from benchreport import run_quick
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(900)]
 TIMEOUT_S = 600  # a bound, not a timing assertion: the quick run takes ~1.5 min
 
@@ -52,14 +49,7 @@ def rows(body: str) -> list[list[str]]:
 
 def test_gateway_quick_produces_every_table(tmp_path: Path) -> None:
     out = tmp_path / "gateway.md"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("ENGINED_") and k not in ("NOTIFY_SOCKET", "PYTHONPATH")}
-    done = subprocess.run([sys.executable, "-m", "bench.gateway", "--quick", "--out", str(out)],
-                          cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-    text = out.read_text()
-    assert text in done.stdout.replace("\r", "")  # the same tables were printed
+    text = run_quick("gateway", out, TIMEOUT_S, printed=True, leftovers=False)
     secs = sections(text)
 
     section(secs, "## 1. Overhead vs talking to the engine directly")

@@ -11,17 +11,13 @@ that adopted both engines, nothing restarted.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
-from benchreport import section, sections, tables
+from benchreport import run_quick, section, sections, tables
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(900)]
 TIMEOUT_S = 600  # a bound, not a timing assertion: the quick run takes well under a minute
 
@@ -81,15 +77,7 @@ def left_running(daemon_pids: set[int]) -> list[str]:
 
 def test_upgrade_quick_produces_every_table(tmp_path: Path) -> None:
     out = tmp_path / "upgrade.md"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("ENGINED_") and k not in ("NOTIFY_SOCKET", "PYTHONPATH")}
-    done = subprocess.run([sys.executable, "-m", "bench.upgrade", "--quick", "--out", str(out)],
-                          cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-    text = out.read_text()
-    assert text in done.stdout.replace("\r", "")  # the same tables were printed
-    assert "processes left over and killed by pid: none" in text, text[-500:]
+    text = run_quick("upgrade", out, TIMEOUT_S, printed=True)
     pids_line = re.search(r"^- daemon pids: (.*)$", text, re.M)
     assert pids_line, text[-500:]
     daemon_pids = {int(p) for p in re.findall(r"\b(\d+)\b", pids_line.group(1))}
