@@ -224,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         r("")
     finally:
         leftovers = cleanup.close()
-    r(f"{load_average('end')}; processes left over and killed by pid: {leftovers or 'none'}")
-    r.write(out_path(args, "clients"))
-    return 0
+    return r.finish(leftovers, out_path(args, "clients"))
 
 
 if __name__ == "__main__":

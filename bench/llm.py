@@ -362,9 +362,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report_crash(r, crashes, colds)
     report_throughput(r, res, rounds)
-    r(f"{load_average('end')}; processes left over and killed by pid: {leftovers or 'none'}")
-    r.write(out)
-    return 0  # a report, not a gate: the verdict is in the table
+    return r.finish(leftovers, out)  # a report, not a gate: the verdict is in the table
 
 
 if __name__ == "__main__":

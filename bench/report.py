@@ -50,6 +50,13 @@ class Report:
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
 
+    def finish(self, leftovers: Any, out: Path) -> int:
+        """The closing line (the load now, and what had to be killed by pid), then the file."""
+        self(f"{load_average('end')}; processes left over and killed by pid: "
+             f"{leftovers or 'none'}")
+        self.write(out)
+        return 0
+
     def write(self, out: Path) -> None:
         """Write the report to `out` atomically (a temporary file, then rename)."""
         out.parent.mkdir(parents=True, exist_ok=True)
