@@ -31,8 +31,9 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import aiohttp
 
@@ -49,6 +50,19 @@ MAX_BODY_BYTES = 4 << 20  # a /metrics page; a larger one is not read to the end
 
 class ProbeFailed(Exception):
     pass
+
+
+T = TypeVar("T")
+
+
+async def _within(request: Awaitable[T], what: str, timeout_s: float) -> T:
+    """The request's result; ProbeFailed saying `what` failed and why otherwise."""
+    try:
+        return await asyncio.wait_for(request, timeout_s)
+    except asyncio.TimeoutError:
+        raise ProbeFailed(f"{what}: no answer within {timeout_s:g}s") from None
+    except aiohttp.ClientError as exc:
+        raise ProbeFailed(f"{what}: {type(exc).__name__}: {exc}") from None
 
 
 class ProbeClient:
@@ -68,23 +82,13 @@ class ProbeClient:
     async def get(self, port: int, path: str, timeout_s: float,
                   read_body: bool = False) -> str:
         """The body (when asked for) of a 2xx answer; ProbeFailed with why otherwise."""
-        try:
-            return await asyncio.wait_for(self._get(port, path, read_body), timeout_s)
-        except asyncio.TimeoutError:
-            raise ProbeFailed(f"GET {path}: no answer within {timeout_s:g}s") from None
-        except aiohttp.ClientError as exc:
-            raise ProbeFailed(f"GET {path}: {type(exc).__name__}: {exc}") from None
+        return await _within(self._get(port, path, read_body), f"GET {path}", timeout_s)
 
     async def post(self, port: int, path: str, body: dict[str, object],
                    timeout_s: float) -> int:
         """POST a JSON body; the answer's status once it is whole. ProbeFailed: no answer
         within timeout_s, or no connection."""
-        try:
-            return await asyncio.wait_for(self._post(port, path, body), timeout_s)
-        except asyncio.TimeoutError:
-            raise ProbeFailed(f"POST {path}: no answer within {timeout_s:g}s") from None
-        except aiohttp.ClientError as exc:
-            raise ProbeFailed(f"POST {path}: {type(exc).__name__}: {exc}") from None
+        return await _within(self._post(port, path, body), f"POST {path}", timeout_s)
 
     async def _post(self, port: int, path: str, body: dict[str, object]) -> int:
         url = f"http://127.0.0.1:{port}{path}"

@@ -519,14 +519,23 @@ def _port(problems: _Problems, value: Any, path: str) -> Any:
     return value
 
 
-def _probe(problems: _Problems, value: Any, path: str) -> Any:
-    """{path, interval, timeout, failures} (each optional), or off / false: no probe."""
+def _section_or_off(problems: _Problems, value: Any, path: str,
+                    keys: tuple[str, ...]) -> Any:
+    """A section of optional `keys` (null: all defaults), False for off / false, _BAD."""
     if value in ("off", False):
         return False
     mapping = _mapping(problems, value, path, null_ok=True)
     if mapping is None:
         return _BAD
-    _unknown_keys(problems, mapping, path, ("path", "interval", "timeout", "failures"))
+    _unknown_keys(problems, mapping, path, keys)
+    return mapping
+
+
+def _probe(problems: _Problems, value: Any, path: str) -> Any:
+    """{path, interval, timeout, failures} (each optional), or off / false: no probe."""
+    mapping = _section_or_off(problems, value, path, ("path", "interval", "timeout", "failures"))
+    if mapping in (False, _BAD):
+        return mapping
     default = ProbeSpec()
     url_path = mapping.get("path", default.path)
     if not isinstance(url_path, str) or not url_path.startswith("/") or any(
@@ -546,12 +555,9 @@ def _probe(problems: _Problems, value: Any, path: str) -> Any:
 
 def _canary(problems: _Problems, value: Any, path: str) -> Any:
     """{idle, timeout} (each optional), or off / false: none."""
-    if value in ("off", False):
-        return False
-    mapping = _mapping(problems, value, path, null_ok=True)
-    if mapping is None:
-        return _BAD
-    _unknown_keys(problems, mapping, path, ("idle", "timeout"))
+    mapping = _section_or_off(problems, value, path, ("idle", "timeout"))
+    if mapping in (False, _BAD):
+        return mapping
     default = CanarySpec()
     idle = _duration(positive=True)(problems, mapping.get("idle", default.idle_s),
                                     _join(path, "idle"))
