@@ -26,6 +26,13 @@ from urllib.parse import quote
 from engined.engine.contract import resolve_socket_path
 from engined.supervisor import __version__
 from engined.supervisor.client import open_request
+from engined.supervisor.completion import completion_script
+from engined.supervisor.ctlformat import (
+    STATUS_HEADER,
+    render_table,
+    status_row,
+    wall_now,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -121,110 +128,6 @@ class Client:
 
 def _reason(e: BaseException) -> str:
     return getattr(e, "strerror", None) or str(e) or type(e).__name__
-
-
-# --- formatting -------------------------------------------------------------------------------
-
-
-def wall_now() -> float:
-    """The clock ages are computed against (a function, so tests can pin it)."""
-    return time.time()
-
-
-def humanize_duration(seconds: float, coarse: bool = False) -> str:
-    """3m12s / 2h05m / 1d03h; with coarse, only the largest unit (for "2m ago")."""
-    s = int(max(seconds, 0.0))
-    units = [("d", 86400), ("h", 3600), ("m", 60), ("s", 1)]
-    for i, (name, size) in enumerate(units):
-        if s >= size or size == 1:
-            major, rest = divmod(s, size)
-            if coarse or size == 1:
-                return f"{major}{name}"
-            minor_name, minor_size = units[i + 1]
-            return f"{major}{name}{rest // minor_size:02d}{minor_name}"
-    raise AssertionError("unreachable")
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:.1f}s" if seconds < 60 else humanize_duration(seconds)
-
-
-def format_last_exit(last_exit: Mapping[str, Any] | None, now: float) -> str:
-    """`signal SIGKILL (signal) 2m ago`, `code 78 (exit) 5s ago`, or `-`."""
-    if not last_exit:
-        return "-"
-    if last_exit.get("signal"):
-        text = f"signal {last_exit['signal']}"
-    elif last_exit.get("code") is not None:
-        text = f"code {last_exit['code']}"
-    else:
-        text = "exit"
-    if last_exit.get("reason"):
-        text += f" ({last_exit['reason']})"
-    if last_exit.get("at") is not None:
-        text += f" {humanize_duration(now - last_exit['at'], coarse=True)} ago"
-    return text
-
-
-def _dash(value: Any) -> str:
-    return "-" if value is None else str(value)
-
-
-STATE_REASON_CHARS = 60  # a FAILED reason in the table; `status NAME` prints all of it
-
-
-def state_cell(engine: Mapping[str, Any], now: float) -> str:
-    """The state and what explains it: FAILED (why), STARTING (phase, for how long), BACKOFF
-    (retry in N s), STOPPED (by whom); a standby says so."""
-    state = str(engine.get("state"))
-    since = engine.get("since")
-    why = ""
-    if state == "FAILED":
-        reason = str(engine.get("fail_reason") or "")
-        why = reason if len(reason) <= STATE_REASON_CHARS else \
-            reason[:STATE_REASON_CHARS - 1].rstrip() + "…"
-    elif state == "STARTING":
-        phase = engine.get("phase") or "spawned"
-        why = phase if since is None else f"{phase}, {humanize_duration(now - since)}"
-    elif state == "BACKOFF":
-        at = engine.get("restart_at")
-        why = "restarting now" if at is None else \
-            f"retry in {humanize_duration(max(0.0, at - now) + 0.999)}"
-    elif state == "STOPPED":
-        if engine.get("desired") == "stopped":
-            why = "by an operator"
-        elif engine.get("last_exit"):
-            why = "exited; its restart policy keeps it down"
-    if engine.get("role") == "standby":
-        why = f"standby, {why}" if why else "standby"
-    return f"{state} ({why})" if why else state
-
-
-def status_row(engine: Mapping[str, Any], now: float) -> list[str]:
-    since = engine.get("since")
-    return [
-        str(engine.get("name")),
-        state_cell(engine, now),
-        _dash(engine.get("pid")),
-        _dash(engine.get("restarts")),
-        "-" if since is None else humanize_duration(now - since),
-        _age(engine.get("heartbeat_age_s")),
-        format_last_exit(engine.get("last_exit"), now),
-    ]
-
-
-# IN-STATE: time since the last state change (not the process's uptime: a BACKOFF or FAILED
-# engine has none)
-STATUS_HEADER = ["NAME", "STATE", "PID", "RESTARTS", "IN-STATE", "HEARTBEAT", "LAST-EXIT"]
-
-
-def render_table(rows: list[list[str]]) -> str:
-    """Left-aligned columns two spaces apart; the last column is not padded."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    return "\n".join(lines)
 
 
 def _print_json(data: Any) -> None:
@@ -350,82 +253,11 @@ def cmd_events(client: Client, args: argparse.Namespace) -> int:
         resp.close()
 
 
-_BASH_COMPLETION = """\
-# bash completion for enginectl: `source <(enginectl completion bash)` in ~/.bashrc, or save it
-# as /etc/bash_completion.d/enginectl. Engine names come from the running daemon.
-_enginectl() {
-    local cur="${COMP_WORDS[COMP_CWORD]}" cmd="${COMP_WORDS[1]}" opts
-    if [ "$COMP_CWORD" -eq 1 ]; then
-        COMPREPLY=($(compgen -W "COMMANDS --socket --version --help" -- "$cur"))
-        return
-    fi
-    case "$cmd" in
-OPTIONS
-    esac
-    if [[ "$cur" == -* ]]; then
-        COMPREPLY=($(compgen -W "$opts" -- "$cur"))
-        return
-    fi
-    case "$cmd" in
-        status|restart|stop|start|logs)
-            COMPREPLY=($(compgen -W "$(${ENGINECTL:-enginectl} completion names 2>/dev/null)" \\
-                -- "$cur"));;
-        generate) [ "${COMP_WORDS[COMP_CWORD-1]}" = "--engine" ] && COMPREPLY=($(compgen -W \\
-                "$(${ENGINECTL:-enginectl} completion names 2>/dev/null)" -- "$cur"));;
-        completion) COMPREPLY=($(compgen -W "bash zsh" -- "$cur"));;
-    esac
-}
-complete -F _enginectl enginectl
-"""
-
-_ZSH_COMPLETION = """\
-#compdef enginectl
-# zsh completion for enginectl: save as _enginectl in a directory of $fpath (or
-# `source <(enginectl completion zsh)` after compinit). Engine names come from the daemon.
-_enginectl() {
-    if (( CURRENT == 2 )); then
-        compadd -- COMMANDS --socket --version --help
-        return
-    fi
-    local -a opts
-    case "${words[2]}" in
-OPTIONS
-    esac
-    if [[ "${words[CURRENT]}" == -* ]]; then
-        compadd -- ${opts[@]}
-    elif [[ "${words[2]}" == (status|restart|stop|start|logs) ]]; then
-        compadd -- ${(f)"$(${ENGINECTL:-enginectl} completion names 2>/dev/null)"}
-    elif [[ "${words[2]}" == completion ]]; then
-        compadd -- bash zsh
-    fi
-}
-_enginectl "$@"
-"""
-
-
-def completion_script(shell: str) -> str:
-    """The completion script for `shell`, its commands and options read from the parser."""
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    commands = [name for name in sub.choices if name != "completion"] + ["completion"]
-    options = {name: sorted(o for a in p._actions for o in a.option_strings)
-               for name, p in sub.choices.items()}
-    if shell == "bash":
-        cases = "\n".join(f'        {name}) opts="{" ".join(opts)}";;'
-                          for name, opts in options.items())
-        template = _BASH_COMPLETION
-    else:
-        cases = "\n".join(f"        {name}) opts=({' '.join(opts)});;"
-                          for name, opts in options.items())
-        template = _ZSH_COMPLETION
-    return template.replace("COMMANDS", " ".join(commands)).replace("OPTIONS", cases)
-
-
 def cmd_completion(client: Client, args: argparse.Namespace) -> int:
     """`completion bash|zsh` prints the script; `completion names` (what the script calls)
     prints the daemon's groups and replicas, and `all`."""
     if args.shell != "names":
-        sys.stdout.write(completion_script(args.shell))
+        sys.stdout.write(completion_script(args.shell, build_parser()))
         return EXIT_OK
     engines = client.call("GET", "/v1/status").get("engines", [])
     names = dict.fromkeys([e["group"] for e in engines] + [e["name"] for e in engines])

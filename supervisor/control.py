@@ -31,7 +31,7 @@ from engined.supervisor.routing import Lease, NoReplica, Router
 from engined.supervisor.sampler import Sample, Sampler
 from engined.supervisor.state import EngineState
 from engined.supervisor.view import EngineView
-from engined.supervisor.webserver import LONG_LIVED, BodyTimeout, read_body
+from engined.supervisor.webserver import LONG_LIVED, ApiKey, BodyTimeout, read_body
 
 log = logging.getLogger("engined.control")
 
@@ -78,6 +78,16 @@ async def _peer_check(request: web.Request, handler):
     return await handler(request)
 
 
+def _bearer(token: ApiKey) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> Any:
+        if not token.allows(request.headers.get("Authorization")):
+            return _error(401, "a bearer token is required (the one in engined's "
+                               "control_token_file): enginectl --token-file FILE")
+        return await handler(request)
+    return check
+
+
 @web.middleware
 async def _errors_as_json(request: web.Request, handler):
     try:
@@ -88,9 +98,13 @@ async def _errors_as_json(request: web.Request, handler):
         return _error(exc.status, exc.reason)
 
 
-def make_app(ctx: ControlContext) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES,
-                          middlewares=[_errors_as_json, _peer_check])
+def make_app(ctx: ControlContext, token: ApiKey | None = None) -> web.Application:
+    """The control API; `token`: on TCP (supervisor.control_tcp), every request must bring it
+    (401 otherwise), in place of the unix socket's peer check."""
+    middlewares = [_errors_as_json, _peer_check]
+    if token is not None:
+        middlewares.append(_bearer(token))
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     routes = _Routes(ctx)
     app.router.add_get("/v1/status", routes.status)
     app.router.add_post("/v1/engines/{name}/{action}", routes.action)

@@ -215,6 +215,8 @@ class Daemon:
                 new, supervisor=dataclasses.replace(self.spec.supervisor, **live))
             if s.gateway is not None:
                 s.gateway.api_key.reload(self.spec.supervisor.api_key_file)
+            if self.spec.supervisor.control_token_file is not None:
+                s.control_token.reload(self.spec.supervisor.control_token_file)
             s.fleet.apply(self.spec, plan)
             s.control.generation += 1
             summary = plan.summary()

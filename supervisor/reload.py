@@ -53,7 +53,7 @@ def plan_reload(old: FleetSpec, new: FleetSpec) -> ReloadPlan:
 
 
 # applied by a reload: the token file is re-read; the launcher is the engines' (next spawn)
-LIVE_SUPERVISOR_KEYS = ("api_key_file", "launcher")
+LIVE_SUPERVISOR_KEYS = ("api_key_file", "control_token_file", "launcher")
 
 
 def supervisor_changes(old: SupervisorSpec, new: SupervisorSpec) -> tuple[str, ...]:

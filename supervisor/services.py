@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import logging
 import os
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from engined.supervisor.clock import SystemClock
 from engined.supervisor.control import ControlContext, make_app
 from engined.supervisor.events import EventLog, transition
 from engined.supervisor.fleet import Fleet
-from engined.supervisor.gateway.app import ApiKey, Gateway
+from engined.supervisor.gateway.app import Gateway
 from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.host.exits import ChildWatcher
 from engined.supervisor.host.fdreserve import FdReserve
@@ -49,9 +50,9 @@ from engined.supervisor.replica import AddressBook, Replica, ReplicaDeps
 from engined.supervisor.routing import Router
 from engined.supervisor.sampler import Sampler
 from engined.supervisor.spec import FleetSpec
-from engined.supervisor.spec.model import ClientLimits
+from engined.supervisor.spec.model import ClientLimits, SupervisorSpec
 from engined.supervisor.systemd import Notifier
-from engined.supervisor.webserver import CappedRunner, listening, make_runner
+from engined.supervisor.webserver import ApiKey, CappedRunner, listening, make_runner
 
 log = logging.getLogger("engined")
 
@@ -97,6 +98,9 @@ class Services:
     stdout: StdoutLines | None = None  # supervisor.engine_logs: stdout
     # supervisor.replica_ports: port -> the serving replica it is the own port of
     replica_ports: dict[int, str] = dataclasses.field(default_factory=dict)
+    # supervisor.control_tcp's bearer token (required: nobody gets in without one)
+    control_token: ApiKey = dataclasses.field(
+        default_factory=lambda: ApiKey(None, "control_token_file", required=True))
 
     @classmethod
     def build(cls, spec: FleetSpec, paths: Paths, nofile: int | None,
@@ -162,6 +166,8 @@ class Services:
         runners = {"control": await self._serve_control(paths.control_socket(spec),
                                                         given.get("control"))}
         sup = spec.supervisor
+        if sup.control_tcp is not None:
+            runners["control_tcp"] = await self._serve_control_tcp(sup, given.get("control_tcp"))
         if sup.http is not None:
             endpoint = MonitoringEndpoint(self.fleet, self.channels, self.sampler, self.monitor,
                                           self.gateway, lambda: self.control.handover_info(),
@@ -201,6 +207,28 @@ class Services:
                  base + len(serving) - 1, ", ".join(serving))
         return runners
 
+    async def _serve_control_tcp(self, sup: SupervisorSpec, fd: int | None) -> CappedRunner:
+        """supervisor.control_tcp: the control API with a bearer token, TLS when configured."""
+        assert sup.control_tcp is not None
+        token = self.control_token
+        token.reload(sup.control_token_file)
+        if token.token is None:
+            raise StartupError(f"control_tcp: no token in control_token_file "
+                               f"{sup.control_token_file} (unreadable or empty)")
+        context = None
+        if sup.control_tls_cert is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            try:
+                context.load_cert_chain(sup.control_tls_cert, sup.control_tls_key)
+            except (OSError, ssl.SSLError) as exc:
+                raise StartupError(f"control_tls_cert/control_tls_key: {exc}") from None
+        runner = await self._serve_tcp(make_app(self.control, token), sup.control_tcp,
+                                       MAX_CONTROL_CONNECTIONS, "the control API",
+                                       "control_tcp", fd, sup.clients, context)
+        log.info("[control] listening on %s:%d%s (bearer token required)", *sup.control_tcp,
+                 " with TLS" if context else "")
+        return runner
+
     async def _serve_control(self, path: Path, fd: int | None) -> CappedRunner:
         runner = make_runner(make_app(self.control), MAX_CONTROL_CONNECTIONS,
                              self.budget.may_accept,
@@ -222,15 +250,17 @@ class Services:
 
     async def _serve_tcp(self, app: web.Application, address: tuple[str, int],
                          max_connections: int, what: str, key: str,
-                         fd: int | None, limits: ClientLimits) -> CappedRunner:
+                         fd: int | None, limits: ClientLimits,
+                         ssl_context: ssl.SSLContext | None = None) -> CappedRunner:
         runner = make_runner(app, max_connections, self.budget.may_accept, limits,
                              self.clients.setdefault(key, collections.Counter()))
         await runner.setup()
         if fd is not None:
-            await web.SockSite(runner, listening(fd)).start()
+            await web.SockSite(runner, listening(fd), ssl_context=ssl_context).start()
             return runner
         try:
-            await web.TCPSite(runner, address[0], address[1], reuse_address=True).start()
+            await web.TCPSite(runner, address[0], address[1], reuse_address=True,
+                              ssl_context=ssl_context).start()
         except OSError as exc:
             await runner.cleanup()
             raise StartupError(f"cannot serve {what} on {address[0]}:{address[1]} "

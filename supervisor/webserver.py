@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import logging
 import os
 import socket
@@ -75,6 +76,41 @@ def make_runner(app: web.Application, max_connections: int,
                           logger=ServerLog(logging.getLogger("engined.http")))
     app[RUNNER] = runner
     return runner
+
+
+class ApiKey:
+    """The bearer token clients must send, read from a file (None: no token required, unless
+    `required`: then nobody is let in without one; the control API on TCP)."""
+
+    def __init__(self, path: str | None, what: str = "api_key_file",
+                 required: bool = False) -> None:
+        self.path, self.what, self.required = path, what, required
+        self.token: str | None = None
+        self.reload(path)
+
+    def reload(self, path: str | None) -> None:
+        """Re-read (at start and on every reload); a file that cannot be read keeps the old
+        token (the reload itself reports the problem)."""
+        self.path = path
+        if path is None:
+            self.token = None
+            return
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read(4096).strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            log.error("[http] cannot read %s %s: %s (keeping the old token)", self.what,
+                      path, exc)
+            return
+        if token:
+            self.token = token
+
+    def allows(self, header: str | None) -> bool:
+        if self.token is None:
+            return not self.required
+        scheme, _, given = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
+                                                                  self.token.encode())
 
 
 class BodyTimeout(Exception):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
 import json
 import logging
 import re
@@ -43,7 +42,7 @@ from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.ipc import EngineChannels
 from engined.supervisor.loopmonitor import LagHistogram
 from engined.supervisor.routing import PINNED, Closing, QueueFull, Router, UnknownModel
-from engined.supervisor.webserver import BodyTimeout, read_body
+from engined.supervisor.webserver import ApiKey, BodyTimeout, read_body
 
 log = logging.getLogger("engined.gateway")
 
@@ -71,39 +70,6 @@ class GatewayStats:
             kind[model] = LagHistogram(bounds=LATENCY_BUCKETS_S,
                                        counts=[0] * (len(LATENCY_BUCKETS_S) + 1))
         kind[model].observe(seconds)
-
-
-class ApiKey:
-    """The bearer token clients must send, read from a file (None: no token required)."""
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self.token: str | None = None
-        self.reload(path)
-
-    def reload(self, path: str | None) -> None:
-        """Re-read (at start and on every reload); a file that cannot be read keeps the old
-        token (the reload itself reports the problem)."""
-        self.path = path
-        if path is None:
-            self.token = None
-            return
-        try:
-            with open(path, encoding="utf-8") as f:
-                token = f.read(4096).strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            log.error("[gateway] cannot read api_key_file %s: %s (keeping the old token)",
-                      path, exc)
-            return
-        if token:
-            self.token = token
-
-    def allows(self, header: str | None) -> bool:
-        if self.token is None:
-            return True
-        scheme, _, given = (header or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
-                                                                  self.token.encode())
 
 
 class Gateway:

@@ -19,8 +19,8 @@ class _Row:
 
 
 _SUPERVISOR_ROWS = tuple(_Row(label) for label in (
-    "http", "gateway", "control_socket", "runtime_dir", "log_dir", "log_rotation", "launcher",
-    "heartbeat", "orphan_timeout", "clients", "kubernetes"))
+    "http", "gateway", "control_tcp", "control_socket", "runtime_dir", "log_dir",
+    "log_rotation", "launcher", "heartbeat", "orphan_timeout", "clients", "kubernetes"))
 _ENGINE_ROWS = (
     _Row("command", "command"), _Row("cwd", "command"), _Row("checks", "command"),
     _Row("model", "child"), _Row("backend", "child", when_set=True),

@@ -178,6 +178,10 @@ class SupervisorSpec:
     gateway: tuple[str, int] | None = None
     api_key_file: str | None = None  # a bearer token the gateway requires (re-read on reload)
     control_socket: str | None = None  # None: the daemon's default location
+    control_tcp: tuple[str, int] | None = None  # the control API on TCP too (token required)
+    control_token_file: str | None = None
+    control_tls_cert: str | None = None  # TLS for control_tcp: both or neither
+    control_tls_key: str | None = None
     runtime_dir: str | None = None
     log_dir: str | None = None
     heartbeat_interval_s: float = 1.0

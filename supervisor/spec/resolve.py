@@ -75,6 +75,27 @@ def _resolve(root: Any, lines: Mapping[str, int], source: str) -> FleetSpec:
     return FleetSpec(source=source, supervisor=supervisor, engines=engines)
 
 
+def _check_control_tcp(problems: _Problems, values: dict[str, Any]) -> None:
+    """The control API is never on TCP without a token; TLS takes a certificate and its key."""
+    tcp, token = values["control_tcp"], values["control_token_file"]
+    if _any_bad(tcp, token):
+        return
+    if tcp is not None and token is None:
+        problems.add("supervisor.control_tcp", "control_tcp needs control_token_file: the "
+                                               "control API is never on TCP without a token")
+    cert, key = values["control_tls_cert"], values["control_tls_key"]
+    if not _any_bad(cert, key) and (cert is None) != (key is None):
+        problems.add("supervisor.control_tls_key" if cert else "supervisor.control_tls_cert",
+                     "control_tls_cert and control_tls_key go together")
+    if not _any_bad(cert) and cert is not None and tcp is None:
+        problems.add("supervisor.control_tls_cert", "TLS is for control_tcp, which is off")
+    http, gateway = values["http"], values["gateway"]
+    for name, other in (("http", http), ("gateway", gateway)):
+        if tcp is not None and not _any_bad(other) and other == tcp:
+            problems.add("supervisor.control_tcp", f"control_tcp and {name} cannot share "
+                                                   f"{tcp[0]}:{tcp[1]}")
+
+
 def _check_replica_ports(problems: _Problems, sup: SupervisorSpec,
                          engines: tuple[EngineSpec, ...]) -> None:
     """supervisor.replica_ports: on the gateway's host, one port per serving replica, none of
@@ -123,6 +144,7 @@ def _supervisor(problems: _Problems, raw: Any) -> SupervisorSpec:
             f"heartbeat_timeout ({_fmt_duration(timeout)}) must exceed "
             f"heartbeat_interval ({_fmt_duration(interval)})",
         )
+    _check_control_tcp(problems, values)
     gateway, http = values["gateway"], values["http"]
     if not _any_bad(gateway, http) and gateway is not None and gateway == http:
         problems.add("supervisor.gateway", f"gateway and http cannot share {gateway[0]}:"

@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from engined.engine import contract
-from engined.supervisor import cli
+from engined.supervisor import cli, ctlformat
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOW = time.time()
@@ -481,7 +481,7 @@ def test_default_socket_path_reads_the_process_environment(
     (2 * 86400 + 7200, False, "2d02h"), (130, True, "2m"), (-5, False, "0s"), (7200, True, "2h"),
 ])
 def test_humanize_duration(seconds: float, coarse: bool, expected: str) -> None:
-    assert cli.humanize_duration(seconds, coarse) == expected
+    assert ctlformat.humanize_duration(seconds, coarse) == expected
 
 
 @pytest.mark.parametrize("last_exit, expected", [
@@ -492,7 +492,7 @@ def test_humanize_duration(seconds: float, coarse: bool, expected: str) -> None:
     ({"code": 143, "signal": None, "reason": "hang", "at": 1115.0}, "code 143 (hang) 5s ago"),
 ])
 def test_format_last_exit(last_exit: dict[str, Any] | None, expected: str) -> None:
-    assert cli.format_last_exit(last_exit, now=1120.0) == expected
+    assert ctlformat.format_last_exit(last_exit, now=1120.0) == expected
 
 
 # --- start-up cost ----------------------------------------------------------------------------
@@ -540,7 +540,7 @@ T0 = 1_700_000_000.0
     ({"state": "STOPPED", "desired": "run"}, "STOPPED"),
 ])
 def test_the_state_column_explains_itself(engine: dict, cell: str) -> None:
-    assert cli.state_cell(engine, T0) == cell
+    assert ctlformat.state_cell(engine, T0) == cell
 
 
 def test_version_is_not_a_usage_error(capsys: Cap) -> None:
