@@ -273,7 +273,7 @@ RULES = [
     ("- 1\n- 2\n", "", 1, "top level must be a mapping"),
     ("just text\n", "", 1, "top level must be a mapping"),
     # unknown keys everywhere, naming the allowed ones
-    (supervisor_with("htp: off\n"), "supervisor.htp", 3, "allowed: api_key_file, clients, control_socket, engine_logs, exit_on_failed, gateway"),
+    (supervisor_with("htp: off\n"), "supervisor.htp", 3, "allowed: api_key_file, clients, control_socket, control_tcp, control_tls_cert"),
     (engine_with("replica: 2\n"), "engines[0].replica", 5, "did you mean 'replicas'"),
     (engine_with("backoff:\n  initial: 1s\n  maximum: 5s\n"), "engines[0].backoff.maximum", 7,
      "allowed: factor, initial, jitter, max, reset_after"),
