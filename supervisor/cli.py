@@ -20,12 +20,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import quote
 
 from engined.engine.contract import resolve_socket_path
 from engined.supervisor import __version__
-from engined.supervisor.client import open_request
+from engined.supervisor.client import CONNECT_TIMEOUT_S, Remote, open_request
 from engined.supervisor.completion import completion_script
 from engined.supervisor.ctlformat import (
     STATUS_HEADER,
@@ -78,8 +79,10 @@ def _error_text(body: bytes, status: int, reason: str) -> str:
 class Client:
     """Talks to the daemon; enginectl makes a handful of requests at most, one per connection."""
 
-    def __init__(self, socket_path: str) -> None:
-        self.socket_path = socket_path
+    def __init__(self, socket_path: str, remote: Remote | None = None,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        self.remote, self.connect_timeout_s = remote, connect_timeout_s
+        self.socket_path = remote.url if remote is not None else socket_path  # for messages
 
     @contextlib.contextmanager
     def transport_errors(self) -> Iterator[None]:
@@ -103,12 +106,15 @@ class Client:
              timeout_s: float | None = STATUS_TIMEOUT_S) -> http.client.HTTPResponse:
         """Send a request; return a 2xx response, else raise CtlError with the daemon's text."""
         with self.transport_errors():
-            resp = open_request(self.socket_path, method, path, body, timeout_s=timeout_s)
+            if self.remote is not None:
+                resp = self.remote.open(method, path, body, timeout_s, self.connect_timeout_s)
+            else:
+                resp = open_request(self.socket_path, method, path, body, timeout_s=timeout_s)
             if resp.status < 400:
                 return resp
             text = _error_text(resp.read(), resp.status, resp.reason)
         resp.close()
-        if resp.status == 403:
+        if resp.status in (401, 403):
             raise CtlError(f"access denied by engined at {self.socket_path}: {text}",
                            EXIT_UNREACHABLE)
         raise CtlError(text)
@@ -440,12 +446,20 @@ def build_parser() -> argparse.ArgumentParser:
     # --socket on the subparsers too, so it works after the subcommand; SUPPRESS keeps a
     # subparser that did not see it from overwriting the value given before the subcommand.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS,
-                        help="control socket (default: $ENGINED_SOCKET, else the daemon's)")
     parser = argparse.ArgumentParser(prog="enginectl", description="Control engined.")
     parser.add_argument("--version", action="version", version=f"enginectl {__version__}")
-    parser.add_argument("--socket", metavar="PATH", default=None,
-                        help="control socket (default: $ENGINED_SOCKET, else the daemon's)")
+    for p, default in ((common, argparse.SUPPRESS), (parser, None)):
+        p.add_argument("--socket", metavar="PATH", default=default,
+                       help="control socket (default: $ENGINED_SOCKET, else the daemon's)")
+        p.add_argument("--host", action="append", metavar="[NODE=][https://]HOST:PORT",
+                       default=default, help="an engined's control_tcp (repeatable: status "
+                       "merges the nodes, restart/stop/start take NODE/NAME)")
+        p.add_argument("--hosts-file", metavar="FILE", default=default,
+                       help="more --host values, one a line")
+        p.add_argument("--token-file", metavar="FILE", default=default,
+                       help="the bearer token of the nodes' control_token_file")
+        p.add_argument("--cacert", metavar="FILE", default=default,
+                       help="CA certificates for https:// nodes (default: the system's)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("status", parents=[common], help="show engines")
@@ -507,14 +521,102 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# --- several nodes (--host) --------------------------------------------------------------------
+NODE_CONNECT_TIMEOUT_S = 0.8  # a node that is down or cut off is shown as such, quickly
+
+
+def _remotes(args: argparse.Namespace) -> list[Remote]:
+    texts = list(args.host or [])
+    try:
+        if args.hosts_file:
+            with open(args.hosts_file, encoding="utf-8") as f:
+                texts += [line.strip() for line in f if line.strip()
+                          and not line.lstrip().startswith("#")]
+        if not texts:
+            return []
+        if not args.token_file:
+            raise CtlError("--host needs --token-file (a node's control API asks for its "
+                           "control_token_file's token)", EXIT_USAGE)
+        with open(args.token_file, encoding="utf-8") as f:
+            token = f.read(4096).strip()
+    except OSError as e:
+        raise CtlError(f"cannot read {e.filename}: {_reason(e)}", EXIT_USAGE) from e
+    try:
+        remotes = [Remote(text, token, args.cacert) for text in dict.fromkeys(texts)]
+    except ValueError as e:
+        raise CtlError(f"--host {e}", EXIT_USAGE) from e
+    if len({r.name for r in remotes}) != len(remotes):
+        raise CtlError("two --host values share a NODE name", EXIT_USAGE)
+    return remotes
+
+
+def _on_nodes(remotes: list[Remote], args: argparse.Namespace) -> int:
+    if args.command == "status" and not args.watch:
+        return _merged_status(remotes, args)
+    if args.command not in ("restart", "stop", "start"):
+        raise CtlError(f"{args.command} talks to one node at a time: give one --host",
+                       EXIT_USAGE)
+    by_node: dict[str, list[str]] = {}
+    for name in args.names:
+        node, slash, engine = name.rpartition("/")
+        if not slash or node not in {r.name for r in remotes}:
+            raise CtlError(f"{name!r}: with several --host, name NODE/NAME (nodes: "
+                           f"{', '.join(r.name for r in remotes)})", EXIT_USAGE)
+        by_node.setdefault(node, []).append(engine)
+    code = EXIT_OK
+    for remote in remotes:
+        if remote.name in by_node:
+            print(f"[{remote.name}]")
+            one = argparse.Namespace(**{**vars(args), "names": by_node[remote.name]})
+            code = max(code, cmd_action(Client("", remote), one))
+    return code
+
+
+def _merged_status(remotes: list[Remote], args: argparse.Namespace) -> int:
+    """Every node's engines in one table (a NODE column); a node that cannot be reached is a
+    row saying so, and makes the exit code 3, as an engine not READY does."""
+    def fetch(remote: Remote) -> tuple[Remote, Any, str]:
+        try:
+            client = Client("", remote, NODE_CONNECT_TIMEOUT_S)
+            return remote, client.call("GET", "/v1/status"), ""
+        except CtlError as e:
+            return remote, None, str(e)
+    with ThreadPoolExecutor(len(remotes)) as pool:
+        answers = list(pool.map(fetch, remotes))
+    if args.json:
+        _print_json({"nodes": [{"node": r.name, "status": data, "error": error or None}
+                               for r, data, error in answers]})
+    rows, unready, now = [["NODE", *STATUS_HEADER]], False, wall_now()
+    for remote, data, error in answers:
+        if data is None:
+            rows.append([remote.name, "-", f"UNREACHABLE ({error})"] + ["-"] * 5)
+            unready = True
+            continue
+        mine = [n.rpartition("/")[2] for n in args.names
+                if "/" not in n or n.rpartition("/")[0] == remote.name]
+        if args.names and not mine:
+            continue
+        engines = [e for e in data.get("engines", []) if not mine  # a name on some nodes
+                   or any(n in ("all", e.get("name"), e.get("group")) for n in mine)]
+        rows += [[remote.name, *status_row(e, now)] for e in engines]
+        unready = unready or _not_ready(engines, bool(mine))
+    if not args.json:
+        print(render_table(rows))
+    return EXIT_NOT_READY if unready else EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on usage errors, 0 after --help
         return e.code if isinstance(e.code, int) else EXIT_USAGE
-    client = Client(resolve_socket_path(args.socket))
     try:
-        return args.func(client, args)
+        remotes = _remotes(args)
+        if len(remotes) > 1:
+            return _on_nodes(remotes, args)
+        if remotes:
+            return args.func(Client("", remotes[0]), args)
+        return args.func(Client(resolve_socket_path(args.socket)), args)
     except CtlError as e:
         print(f"enginectl: {e}", file=sys.stderr)
         return e.exit_code

@@ -75,3 +75,56 @@ def request(socket_path: str, method: str, path: str, body: Any = None,
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:
         resp.close()
+
+
+class Remote:
+    """An engined's control API on TCP (supervisor.control_tcp), as `enginectl --host` names it:
+    `[NODE=][https://]HOST:PORT`. NODE (default HOST:PORT) is what `status` shows and what
+    `restart NODE/NAME` addresses; https:// is TLS, checked against `cafile` or the system's
+    CAs. Every request carries the bearer token."""
+
+    def __init__(self, text: str, token: str, cafile: str | None = None) -> None:
+        name, eq, rest = text.partition("=")
+        if not eq:
+            name, rest = "", text
+        scheme, sep, address = rest.partition("://")
+        if not sep:
+            scheme, address = "http", rest
+        host, colon, port = address.rpartition(":")
+        if scheme not in ("http", "https") or not colon or not host or not port.isdigit() \
+                or not 0 < int(port) < 65536:
+            raise ValueError(f"{text!r}: expected [NODE=][https://]HOST:PORT")
+        self.host, self.port = host.strip("[]"), int(port)
+        self.name = name or address
+        self.url = f"{scheme}://{address}"
+        self.token = token
+        self.tls = None
+        if scheme == "https":
+            import ssl
+
+            self.tls = ssl.create_default_context(cafile=cafile)
+
+    def open(self, method: str, path: str, body: Any = None,
+             timeout_s: float | None = 30.0,
+             connect_timeout_s: float = CONNECT_TIMEOUT_S) -> http.client.HTTPResponse:
+        """One request on its own connection (as open_request), over TCP with the token."""
+        conn: http.client.HTTPConnection
+        if self.tls is not None:
+            conn = http.client.HTTPSConnection(self.host, self.port, timeout=connect_timeout_s,
+                                               context=self.tls)
+        else:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=connect_timeout_s)
+        payload = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Accept": "application/json", "Connection": "close",
+                   "Authorization": f"Bearer {self.token}"}
+        if payload is not None and not isinstance(body, bytes):
+            headers["Content-Type"] = "application/json"
+        try:
+            conn.connect()  # a node that is gone says so within connect_timeout_s
+            assert conn.sock is not None
+            conn.sock.settimeout(timeout_s)
+            conn.request(method, path, body=payload, headers=headers)
+            return conn.getresponse()
+        except BaseException:
+            conn.close()
+            raise
