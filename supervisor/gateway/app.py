@@ -6,6 +6,9 @@ bearer token comes from `supervisor.api_key_file` (re-read on reload). Every ans
 `X-Request-Id` (the client's, if it sent a sane one), which the daemon's log lines name too.
 Counted: engined_gateway_requests_total{model,outcome} (ok, error, timeout, rejected,
 client_gone), engined_gateway_migrations_total{model}, time to first token and latency.
+GET /metrics here is the inference gateway's model server protocol (serverstats), asked no
+token. With `supervisor.replica_ports`, the same app serves each replica on a port of its own,
+pinned to it (routing.PINNED).
 """
 
 from __future__ import annotations
