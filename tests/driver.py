@@ -302,6 +302,30 @@ def http_json(method: str, url: str, body: Any = None,
         return exc.code, json.loads(exc.read())
 
 
+class BackgroundStream:
+    """A streamed completion read in a thread: `started` is set at its first chunk, `text()` is
+    what arrived so far (all of it once `join` returns)."""
+
+    def __init__(self, client: Any, model: str, prompt: str, max_tokens: int) -> None:
+        self.started = threading.Event()
+        self._parts: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(client, model, prompt,
+                                                                 max_tokens))
+        self._thread.start()
+
+    def _read(self, client: Any, model: str, prompt: str, max_tokens: int) -> None:
+        for chunk in client.completions.create(model=model, prompt=prompt,
+                                               max_tokens=max_tokens, stream=True):
+            self._parts.extend(c.text for c in chunk.choices)
+            self.started.set()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+    def text(self) -> str:
+        return "".join(self._parts)
+
+
 def free_port() -> int:
     """A loopback TCP port nothing listens on now (the test's gateway, HTTP or server binds it)."""
     with socket.socket() as sock:

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from driver import Daemon, build_spec, free_port
+from driver import BackgroundStream, Daemon, build_spec, free_port
 
 pytestmark = pytest.mark.timeout(600)
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
@@ -115,23 +114,15 @@ def test_engined_as_pid_1_reaps_every_orphan_and_drains_on_sigterm(short_tmp: Pa
         # SIGTERM, as the kubelet sends it, while a stream is in flight
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway}/v1", api_key="none",
                                max_retries=0, timeout=120)
-        started, text = threading.Event(), []
-
-        def stream() -> None:
-            for chunk in client.completions.create(model="echo", prompt="y" * 60,
-                                                   max_tokens=60, stream=True):
-                text.extend(c.text for c in chunk.choices)
-                started.set()
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert started.wait(60)
+        reader = BackgroundStream(client, "echo", "y" * 60, 60)
+        assert reader.started.wait(60)
         assert _readyz(http) == 200
         sent = time.monotonic()
         os.kill(host, signal.SIGTERM)
         d.wait_for(lambda: _readyz(http) == 503, 5, "/readyz 503 once the drain begins",
                    interval_s=0.02)
         reader.join(60)
-        assert "".join(text) == "y" * 60  # the stream in flight finished
+        assert reader.text() == "y" * 60  # the stream in flight finished
         assert d.wait_exit(GRACE_S) == 0  # unshare gives engined's own exit status
         print(f"SIGTERM -> exit in {time.monotonic() - sent:.2f}s, {KILLS} kills, "
               f"{baseline} processes in the namespace")

@@ -14,7 +14,7 @@ import urllib.request
 
 import openai
 import pytest
-from driver import free_port
+from driver import BackgroundStream, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(300)
@@ -101,17 +101,9 @@ def test_each_replica_on_a_port_of_its_own(engined):
     assert d.ctl("start", "echo-1").returncode == 0
     d.wait_state("echo-1", "READY", 60)
     pid = d.engine("echo-0")["pid"]
-    text, started = [], threading.Event()
-
-    def stream() -> None:
-        for chunk in _client(base).completions.create(model="echo", prompt="z" * 150,
-                                                      max_tokens=150, stream=True):
-            text.extend(c.text for c in chunk.choices)
-            started.set()
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert started.wait(30)
+    reader = BackgroundStream(_client(base), "echo", "z" * 150, 150)
+    assert reader.started.wait(30)
     os.kill(pid, signal.SIGKILL)
     reader.join(60)
-    assert "".join(text) == "z" * 150
+    assert reader.text() == "z" * 150
     d.wait_restarted("echo-0", pid, 60)
