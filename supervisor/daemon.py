@@ -143,6 +143,8 @@ class Daemon:
             s.fleet.start()
         else:
             await self.in_place.resume(resumed)
+        if s.nodes is not None:
+            self._spawn_task(s.nodes.run(), "nodes")
         s.notifier.ready(status_line(s.fleet))
         self._spawn_task(s.notifier.watchdog(s.monitor.healthy), "watchdog")
         keeper = self.keeper = recovery.Keeper(snapshot.path_in(self.paths.runtime_dir),
@@ -207,6 +209,14 @@ class Daemon:
                     reply.set_exception(
                         ReloadRejected(f"invalid fleet spec, nothing changed:\n{exc}"))
                 return
+            if (new.upstreams is None) != (self.spec.upstreams is None):
+                why = ("a cluster gateway (upstreams:) and a fleet of engines are not reloaded "
+                       "into one another: restart engined")
+                log.error("[reload] %s; nothing changed", why)
+                s.notifier.ready(status_line(s.fleet))
+                if reply is not None and not reply.done():
+                    reply.set_exception(ReloadRejected(why))
+                return
             plan = plan_reload(self.spec, new)
             # Supervisor-level keys are not applied live: keep the running ones, so the
             # difference is reported again until engined is restarted.
@@ -217,6 +227,8 @@ class Daemon:
                 s.gateway.api_key.reload(self.spec.supervisor.api_key_file)
             if self.spec.supervisor.control_token_file is not None:
                 s.control_token.reload(self.spec.supervisor.control_token_file)
+            if s.nodes is not None and new.upstreams is not None:  # the new node list
+                s.reload_nodes(new.upstreams)
             s.fleet.apply(self.spec, plan)
             s.control.generation += 1
             summary = plan.summary()

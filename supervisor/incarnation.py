@@ -101,6 +101,11 @@ class Incarnation:
             return None
         return now - vitals.heartbeat_at
 
+    @property
+    def avoid_after_loss_s(self) -> float:
+        """A request lost on it is not sent back while liveness may still be deciding."""
+        return self.liveness.heartbeat_timeout_s
+
     def fresh(self, now: float) -> bool:
         """Serving, and heard from lately (its liveness says how lately)."""
         age = self.heartbeat_age(now)

@@ -43,6 +43,7 @@ class FleetCollector:
         self._handover: dict[str, Any] = {}
         self._clients: dict[str, Any] = {}
         self.replica_ports: dict[int, str] = {}  # supervisor.replica_ports: port -> replica
+        self.nodes: list[tuple[str, bool]] = []  # a cluster gateway's: (node, routable)
 
     def update(self, views: Iterable[EngineView], sample: Sample,
                ipc_dropped: dict[str, int], monitor: LoopMonitor | None = None,
@@ -73,6 +74,7 @@ class FleetCollector:
         yield from self._handover_metrics()
         yield from self._client_metrics()
         yield from self._replica_metrics()
+        yield from self._node_metrics()
 
     def _replica_metrics(self) -> Iterator[Metric]:
         """supervisor.replica_ports: whether each replica's own port has a READY engine behind
@@ -84,6 +86,16 @@ class FleetCollector:
         ready = {v.name: v.is_ready for v in self._views}
         for port, name in sorted(self.replica_ports.items()):
             up.add_metric([str(port)], 1.0 if ready.get(name) else 0.0)
+        yield up
+
+    def _node_metrics(self) -> Iterator[Metric]:
+        """A cluster gateway's nodes (upstreams:): 1 while one takes requests."""
+        if not self.nodes:
+            return
+        up = GaugeMetricFamily("engined_cluster_node_up", "A cluster gateway's node gateway "
+                               "answers its probes and takes requests: 1", labels=["node"])
+        for name, routable in self.nodes:
+            up.add_metric([name], 1.0 if routable else 0.0)
         yield up
 
     def _client_metrics(self) -> Iterator[Metric]:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from engined.supervisor.cluster import Nodes
 from engined.supervisor.fleet import Fleet
 from engined.supervisor.gateway.app import Gateway
 from engined.supervisor.ipc import EngineChannels
@@ -29,10 +30,11 @@ class MonitoringEndpoint:
                  monitor: LoopMonitor, gateway: Gateway | None = None,
                  handover: Callable[[], dict[str, Any]] = dict,
                  clients: Callable[[], dict[str, Any]] = dict,
-                 replica_ports: Callable[[], dict[int, str]] = dict) -> None:
+                 replica_ports: Callable[[], dict[int, str]] = dict,
+                 nodes: Nodes | None = None) -> None:
         self.fleet, self.channels, self.sampler, self.monitor = fleet, channels, sampler, monitor
         self.gateway, self.handover, self.clients = gateway, handover, clients
-        self.replica_ports = replica_ports
+        self.replica_ports, self.nodes = replica_ports, nodes
         self.collector = FleetCollector()
         self.registry = make_registry(self.collector)
 
@@ -52,6 +54,10 @@ class MonitoringEndpoint:
                               gateway.stats if gateway else None, self.handover(),
                               self.clients())
         self.collector.replica_ports = self.replica_ports()
+        if self.nodes is not None:
+            self.collector.nodes = [(n.name, n.routable())
+                                    for n in sorted(self.nodes.nodes.values(),
+                                                    key=lambda n: n.name)]
         body = render(self.registry)  # on the loop: the handles are the loop's, not a thread's
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -60,8 +66,19 @@ class MonitoringEndpoint:
         return web.json_response(body, status=code)
 
     async def readyz(self, request: web.Request) -> web.Response:
+        if self.nodes is not None:  # a cluster gateway: ready while a node takes requests
+            return self._nodes_ready(self.nodes)
         code, body = self.fleet.view().readiness()
         return web.json_response(body, status=code)
+
+    @staticmethod
+    def _nodes_ready(nodes: Nodes) -> web.Response:
+        listed = {n.name: "up" if n.routable() else n.why or "down"
+                  for n in nodes.nodes.values()}
+        up = sum(1 for state in listed.values() if state == "up")
+        return web.json_response({"status": "ready" if up else "not ready", "nodes": listed,
+                                  "unresolved": nodes.resolve_errors},
+                                 status=200 if up else 503)
 
     async def livez(self, request: web.Request) -> web.Response:
         lag = self.monitor.lag_s()

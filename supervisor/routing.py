@@ -74,7 +74,7 @@ class LostOn:
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
-        self._at: dict[Incarnation, float] = {}
+        self._at: dict[object, float] = {}
         self.last = ""  # how the last attempt was lost, for the client's error
 
     def add(self, incarnation: Incarnation, how: str = "") -> None:
@@ -85,9 +85,11 @@ class LostOn:
         return len(self._at)
 
     def __contains__(self, incarnation: object) -> bool:
-        if not isinstance(incarnation, Incarnation) or incarnation not in self._at:
+        at = self._at.get(incarnation)
+        if at is None:
             return False
-        return self.clock() - self._at[incarnation] < incarnation.liveness.heartbeat_timeout_s
+        avoid_s = getattr(incarnation, "avoid_after_loss_s", 0.0)
+        return self.clock() - at < avoid_s
 
 
 class Router:
@@ -97,7 +99,7 @@ class Router:
         self.clock = clock
         self.closing = False  # shutdown: the gateway accepts nothing new
         self.queued: collections.Counter[str] = collections.Counter()  # group -> admitted
-        self._load: collections.Counter[Incarnation] = collections.Counter()
+        self._load: collections.Counter[object] = collections.Counter()  # incarnation -> leases
         self._draining: set[Replica] = set()
         self._changed = asyncio.Event()  # a state change: a waiting request looks again
         self._released = asyncio.Event()  # a lease ended: a drain looks again
@@ -238,6 +240,20 @@ class Router:
                 await asyncio.wait_for(self._changed.wait(), min(left, RECHECK_S))
             except asyncio.TimeoutError:
                 pass
+
+    def address(self, lease: Lease) -> tuple[str, int]:
+        """Where the lease's server listens: a command engine's, on loopback."""
+        return "127.0.0.1", lease.incarnation.port or 0
+
+    def stats_of(self, group: str) -> tuple[int, int, float] | None:
+        """running, waiting and KV usage of the group when the router knows them from its
+        upstreams (None: the gateway's own figures, from the replicas' heartbeats)."""
+        return None
+
+    def own_name(self, lease: Lease, model: str) -> str | None:
+        """The model's name on the lease's server, when the router knows it (None: ask the
+        server)."""
+        return None
 
     def release(self, lease: Lease) -> None:
         inc = lease.incarnation

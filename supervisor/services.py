@@ -26,6 +26,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from engined.supervisor import cluster
 from engined.supervisor.clock import SystemClock
 from engined.supervisor.control import ControlContext, make_app
 from engined.supervisor.events import EventLog, transition
@@ -50,7 +51,7 @@ from engined.supervisor.replica import AddressBook, Replica, ReplicaDeps
 from engined.supervisor.routing import Router
 from engined.supervisor.sampler import Sampler
 from engined.supervisor.spec import FleetSpec
-from engined.supervisor.spec.model import ClientLimits, SupervisorSpec
+from engined.supervisor.spec.model import ClientLimits, SupervisorSpec, UpstreamsSpec
 from engined.supervisor.systemd import Notifier
 from engined.supervisor.webserver import ApiKey, CappedRunner, listening, make_runner
 
@@ -101,6 +102,7 @@ class Services:
     # supervisor.control_tcp's bearer token (required: nobody gets in without one)
     control_token: ApiKey = dataclasses.field(
         default_factory=lambda: ApiKey(None, "control_token_file", required=True))
+    nodes: cluster.Nodes | None = None  # a cluster gateway's (upstreams:)
 
     @classmethod
     def build(cls, spec: FleetSpec, paths: Paths, nofile: int | None,
@@ -138,8 +140,16 @@ class Services:
         control = ControlContext(fleet, router, channels, sampler, events, paths.config,
                                  reload=reload, fork_servers=launcher.describe)
         upstream = Upstream()
-        gateway = (Gateway(router, channels, upstream, ApiKey(sup.api_key_file), clock.monotonic)
-                   if sup.gateway is not None else None)
+        nodes = None
+        gateway_router = router
+        if spec.upstreams is not None:  # a cluster gateway: its router is over node gateways
+            nodes = cluster.Nodes(spec.upstreams, clock.monotonic, upstream.on_lost,
+                                  lambda: node_router.changed())
+            gateway_router = node_router = cluster.NodeRouter(nodes, clock.monotonic)
+            node_token = ApiKey(spec.upstreams.api_key_file, "upstreams.api_key_file")
+            upstream.headers = node_token.headers()
+        gateway = (Gateway(gateway_router, channels, upstream, ApiKey(sup.api_key_file),
+                           clock.monotonic) if sup.gateway is not None else None)
 
         def on_state(change: StateChange) -> None:
             events.publish(transition(change.view, change.old.value))
@@ -156,7 +166,7 @@ class Services:
         watcher.on_change.append(lambda pid, alive: changed.set())  # the snapshot is due
         return cls(clock, monitor, notifier, sampler, probes, watcher, reaper, guard, budget,
                    launcher, channels, router, fleet, events, control, upstream, gateway,
-                   changed, notices=notices, stdout=stdout)
+                   changed, notices=notices, stdout=stdout, nodes=nodes)
 
     async def serve(self, spec: FleetSpec, paths: Paths,
                     inherited: dict[str, int] | None = None) -> dict[str, CappedRunner]:
@@ -171,7 +181,8 @@ class Services:
         if sup.http is not None:
             endpoint = MonitoringEndpoint(self.fleet, self.channels, self.sampler, self.monitor,
                                           self.gateway, lambda: self.control.handover_info(),
-                                          lambda: self.clients, lambda: self.replica_ports)
+                                          lambda: self.clients, lambda: self.replica_ports,
+                                          self.nodes)
             runners["http"] = await self._serve_tcp(endpoint.make_app(), sup.http,
                                                     MAX_HTTP_CONNECTIONS, "HTTP", "http",
                                                     given.get("http"), sup.clients)
@@ -266,6 +277,13 @@ class Services:
             raise StartupError(f"cannot serve {what} on {address[0]}:{address[1]} "
                                f"(supervisor.{key}): {exc.strerror or exc}") from None
         return runner
+
+    def reload_nodes(self, spec: UpstreamsSpec) -> None:
+        """A reload of a cluster gateway: its node list and the node gateways' token."""
+        assert self.nodes is not None
+        self.nodes.update(spec)
+        token = ApiKey(spec.api_key_file, "upstreams.api_key_file")
+        self.upstream.headers = token.headers()
 
     async def close(self) -> None:
         """After the fleet has stopped: the fork servers, the guard, the clients and the engine

@@ -105,6 +105,10 @@ class ApiKey:
         if token:
             self.token = token
 
+    def headers(self) -> dict[str, str]:
+        """What a client sends to be let in by a server with this token."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token is not None else {}
+
     def allows(self, header: str | None) -> bool:
         if self.token is None:
             return not self.required

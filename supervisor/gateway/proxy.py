@@ -110,7 +110,7 @@ class Proxy:
         while True:
             lease = await self.acquire(group, deadline, lost_on)
             try:
-                name = await self._upstream_name(lease) if model is not None else None
+                name = await self._upstream_name(lease, model) if model is not None else None
                 answer = await self._call(lease, request.method, path, body, name, deadline)
                 status, headers, data = answer
                 if status not in RETRY_STATUS or moves >= limit:
@@ -138,7 +138,10 @@ class Proxy:
     async def acquire(self, group: str, deadline: float, avoid: LostOn) -> Lease:
         return await acquire(self.router, group, deadline, avoid)
 
-    async def _upstream_name(self, lease: Lease) -> str:
+    async def _upstream_name(self, lease: Lease, model: str) -> str:
+        known = self.router.own_name(lease, model)
+        if known is not None:
+            return known
         inc = lease.incarnation
         return await self.upstream.model_name(lease.replica.name, inc.address, inc.port or 0)
 
@@ -147,7 +150,7 @@ class Proxy:
         """One whole exchange with the lease's server; EngineLost if its incarnation goes."""
         sent = None if body is None else json.dumps(_renamed(body, name)).encode()
         async with self.upstream.flight(lease.incarnation.address, lease.replica.name) as lost:
-            call = self.upstream.fetch(lease.incarnation.port or 0, method, path, sent)
+            call = self.upstream.fetch(self.router.address(lease), method, path, sent)
             return await _until(call, lost, deadline - self.clock())
 
 
@@ -207,14 +210,14 @@ class _Stream:
         or an error the client must see); None, or _Lost, when it must move."""
         proxy, inc = self.proxy, lease.incarnation
         try:
-            name = await proxy._upstream_name(lease)
+            name = await proxy._upstream_name(lease, self.model)
         except (EngineLost, aiohttp.ClientError, ConnectionError, ValueError) as exc:
             raise _Lost(f"{type(exc).__name__}: {exc}") from None
         path, body = self._request(name)
         upstream = proxy.upstream
         async with upstream.flight(inc.address, lease.replica.name) as lost:
             try:
-                response = await _until(upstream.open(inc.port or 0, path,
+                response = await _until(upstream.open(proxy.router.address(lease), path,
                                                       json.dumps(body).encode()),
                                         lost, self.deadline - proxy.clock())
                 try:

@@ -78,7 +78,8 @@ def render(router: Router, models: Iterable[tuple[str, str]]) -> str:
     """Prometheus text for (model name, group) pairs."""
     rows: dict[str, list[str]] = {name: [] for name in _HELP}
     for model, group in models:
-        running, waiting, usage, info = model_stats(router, group)
+        known = router.stats_of(group)  # a cluster gateway's, summed over its nodes
+        running, waiting, usage, info = (*known, {}) if known else model_stats(router, group)
         label = f'model_name="{_label(model)}"'
         rows["vllm:num_requests_running"].append(f"{{{label}}} {running}")
         rows["vllm:num_requests_waiting"].append(f"{{{label}}} {waiting}")

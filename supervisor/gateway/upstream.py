@@ -26,6 +26,7 @@ class Upstream:
         self._session: aiohttp.ClientSession | None = None
         self._names: dict[Address, str] = {}  # incarnation's address -> its model name
         self._flights: dict[Address, set[asyncio.Future[None]]] = {}
+        self.headers: dict[str, str] = {}  # sent with every call (a cluster's node token)
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -76,11 +77,12 @@ class Upstream:
             self._names[address] = name
         return name
 
-    async def fetch(self, port: int, method: str, path: str,
+    async def fetch(self, address: Address, method: str, path: str,
                     body: bytes | None) -> tuple[int, dict[str, str], bytes]:
-        """One whole exchange: (status, headers, body)."""
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        async with self.session().request(method, f"http://127.0.0.1:{port}{path}", data=body,
+        """One whole exchange with the server at (host, port): (status, headers, body)."""
+        headers = {**self.headers, **({"Content-Type": "application/json"}
+                                      if body is not None else {})}
+        async with self.session().request(method, _url(address, path), data=body,
                                           headers=headers) as response:
             # to its end: a body cut short (fewer bytes than its Content-Length, a chunked
             # body without its last chunk) raises ClientPayloadError instead of passing as whole
@@ -93,14 +95,19 @@ class Upstream:
                 parts.append(part)
             return response.status, dict(response.headers), b"".join(parts)
 
-    async def open(self, port: int, path: str, body: bytes) -> aiohttp.ClientResponse:
+    async def open(self, address: Address, path: str, body: bytes) -> aiohttp.ClientResponse:
         """A POST whose answer is read as it comes (the caller closes it)."""
-        return await self.session().post(f"http://127.0.0.1:{port}{path}", data=body,
-                                         headers={"Content-Type": "application/json"})
+        return await self.session().post(_url(address, path), data=body,
+                                         headers={**self.headers,
+                                                  "Content-Type": "application/json"})
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _url(address: Address, path: str) -> str:
+    return f"http://{address[0]}:{address[1]}{path}"
 
 
 def _consume(future: asyncio.Future[None]) -> None:

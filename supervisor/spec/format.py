@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engined.supervisor.spec.keys import ENGINE_KEYS, SUPERVISOR_KEYS, Key
-from engined.supervisor.spec.model import EngineSpec, FleetSpec
+from engined.supervisor.spec.model import EngineSpec, FleetSpec, UpstreamsSpec
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,25 @@ def format_fleet(fleet: FleetSpec) -> str:
     out.append("supervisor:")
     out += [f"  {label:<16}{text}"
             for label, text in _rows(fleet.supervisor, SUPERVISOR_KEYS, _SUPERVISOR_ROWS)]
+    if fleet.upstreams is not None:
+        out[0] = f"fleet {fleet.source}: a cluster gateway, no engines of its own"
+        out += _format_upstreams(fleet.upstreams)
+        return "\n".join(out) + "\n"
     out.append("engines:")
     for engine in fleet.engines:
         out += _format_engine(engine)
     return "\n".join(out) + "\n"
+
+
+def _format_upstreams(up: UpstreamsSpec) -> list[str]:
+    return ["upstreams:",
+            f"  {'nodes':<16}{', '.join(f'{h}:{p}' for h, p in up.nodes)} (every address each "
+            f"name resolves to, again every {up.resolve_interval_s:g}s)",
+            f"  {'probes':<16}GET /metrics every {up.probe_interval_s:g}s; down after "
+            f"{up.probe_timeout_s:g}s without an answer",
+            f"  {'api_key_file':<16}{up.api_key_file or 'none (the nodes ask no token)'}",
+            f"  {'serving':<16}queue_limit {up.queue_limit}, request_timeout "
+            f"{up.request_timeout_s:g}s, migration_limit {up.migration_limit}"]
 
 
 def _format_engine(e: EngineSpec) -> list[str]:

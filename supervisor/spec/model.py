@@ -198,10 +198,29 @@ class SupervisorSpec:
 
 
 @dataclass(frozen=True)
+class UpstreamsSpec:
+    """A cluster gateway's nodes (`upstreams:` instead of `engines:`): engined gateways on other
+    hosts, found by name (every address a name resolves to is a node: a Kubernetes headless
+    Service, a host list), re-resolved every `resolve_interval_s`, probed every
+    `probe_interval_s` on their model server protocol (`GET /metrics`); a node that answers no
+    probe for `probe_timeout_s` is down and its streams move (supervisor.cluster)."""
+
+    nodes: tuple[tuple[str, int], ...]  # (host or name, port) of each node gateway
+    resolve_interval_s: float = 10.0
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 3.0
+    api_key_file: str | None = None  # the bearer token the node gateways ask (theirs)
+    queue_limit: int = 1024  # the cluster gateway's requests per model, in flight or waiting
+    request_timeout_s: float = 600.0
+    migration_limit: int = 3  # times a request may move to another node
+
+
+@dataclass(frozen=True)
 class FleetSpec:
     source: str
     supervisor: SupervisorSpec
     engines: tuple[EngineSpec, ...]  # every replica, in spec order
+    upstreams: UpstreamsSpec | None = None  # a cluster gateway: node gateways, no engines
 
     def groups(self) -> dict[str, tuple[EngineSpec, ...]]:
         out: dict[str, list[EngineSpec]] = {}

@@ -44,6 +44,7 @@ from engined.supervisor.spec.model import (
     SupervisorSpec,
 )
 from engined.supervisor.spec.source import _describe, _join
+from engined.supervisor.spec.upstreams import upstreams
 
 # every engine-level key's default: what an engine has before defaults: and its own keys apply
 _BUILTIN_SETTINGS: dict[str, _Located] = {
@@ -57,14 +58,18 @@ def _resolve(root: Any, lines: Mapping[str, int], source: str) -> FleetSpec:
     if not isinstance(root, dict):
         problems.add(
             "",
-            "top level must be a mapping (version, supervisor, defaults, engines); "
+            "top level must be a mapping (version, supervisor, defaults, engines or "
+            "upstreams); "
             f"got {_describe(root)}",
         )
         problems.raise_if_any(source, lines)
     top: dict[str, Any] = root
-    _unknown_keys(problems, top, "", ("version", "supervisor", "defaults", "engines"))
+    _unknown_keys(problems, top, "",
+                  ("version", "supervisor", "defaults", "engines", "upstreams"))
     _check_version(problems, top)
     supervisor = _supervisor(problems, top.get("supervisor"))
+    if "upstreams" in top:  # a cluster gateway: node gateways instead of engines of its own
+        return _cluster(problems, top, supervisor, source, lines)
     defaults = _defaults(problems, top.get("defaults"))
     engines = _engines(problems, top, defaults)
     _check_replica_ports(problems, supervisor, engines)
@@ -73,6 +78,23 @@ def _resolve(root: Any, lines: Mapping[str, int], source: str) -> FleetSpec:
         engines = tuple(e if e.is_command or e.launcher else
                         dataclasses.replace(e, launcher=supervisor.launcher) for e in engines)
     return FleetSpec(source=source, supervisor=supervisor, engines=engines)
+
+
+def _cluster(problems: _Problems, top: Mapping[str, Any], supervisor: SupervisorSpec,
+             source: str, lines: Mapping[str, int]) -> FleetSpec:
+    """A spec with `upstreams:`: it has no engines (nor their defaults), and serves a gateway."""
+    for key in ("engines", "defaults"):
+        if key in top:
+            problems.add(key, f"a cluster gateway (upstreams:) has no engines of its own: "
+                              f"remove '{key}', or 'upstreams'")
+    found = upstreams(problems, top["upstreams"])
+    if supervisor is not _BAD and supervisor.gateway is None:
+        problems.add("supervisor.gateway", "a cluster gateway (upstreams:) serves the OpenAI "
+                                           "API: set supervisor.gateway to HOST:PORT")
+    if supervisor is not _BAD and supervisor.replica_ports is not None:
+        problems.add("supervisor.replica_ports", "a cluster gateway has no replicas of its own")
+    problems.raise_if_any(source, lines)
+    return FleetSpec(source=source, supervisor=supervisor, engines=(), upstreams=found)
 
 
 def _check_control_tcp(problems: _Problems, values: dict[str, Any]) -> None:

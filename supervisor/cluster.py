@@ -1,0 +1,311 @@
+"""A cluster gateway (`upstreams:` instead of `engines:`): engined's gateway in front of the
+engined gateways of other nodes, with no engines of its own and no membership of its own.
+
+* **Membership** is what names resolve to: each `upstreams.nodes` entry is `HOST:PORT`, and
+  every address its host resolves to is a node (a Kubernetes headless Service's A records, a
+  hosts file, a plain IP), resolved again every `resolve_interval`. A node whose address is no
+  longer returned takes no new request; the requests on it finish.
+* **Health and load** come from each node gateway's model server protocol (`GET /metrics`,
+  which asks no token): its models, their waiting and running requests and KV cache usage,
+  probed every `probe_interval`. A node is up from a probe that answered; it is down when no
+  probe answered for `probe_timeout` (a node that died, hung, or whose link was cut: no FIN,
+  no RST, only silence), and every request on it moves then, as a request on a lost engine
+  moves between replicas. A probe refused outright (a closed port) takes it out of routing at
+  once. A node that answers again is a new life of it, routed to as any other.
+* **Routing**: among the up nodes serving the model, those with room in their KV cache first,
+  then the fewest waiting requests plus this gateway's own in flight there, round-robin among
+  equals.
+* **Moves**: the node gateways are spoken to as `openai: vllm` servers (gateway.proxy): they
+  return the token ids of the prompt and of each token (`return_token_ids`), so a stream cut
+  mid-way continues on another node from the tokens already delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import re
+import socket
+from collections.abc import Callable, Container
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from engined.supervisor.notices import Lost
+from engined.supervisor.routing import Lease, NoReplica, Router
+from engined.supervisor.spec import EngineSpec
+from engined.supervisor.spec.model import ModelSpec, UpstreamsSpec
+
+log = logging.getLogger("engined.cluster")
+
+KV_FULL = 0.95  # a node's KV cache this full is chosen only when every node's is
+_SAMPLE_RE = re.compile(r'^(vllm:[a-z_]+)\{[^}]*model_name="((?:[^"\\]|\\.)*)"[^}]*\}\s+(\S+)',
+                        re.M)
+_NODE_MODEL = ModelSpec(source="upstreams", builtin=None, path=None, dtype=None)
+
+
+@dataclass(frozen=True)
+class Load:
+    """What a node's gateway said of one model at its last probe."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+def parse_loads(text: str) -> dict[str, Load]:
+    """Model name -> Load from a node gateway's model server protocol text."""
+    raw: dict[str, dict[str, float]] = {}
+    for name, model, value in _SAMPLE_RE.findall(text):
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        raw.setdefault(model.replace('\\"', '"').replace("\\\\", "\\"), {})[name] = number
+    return {model: Load(int(v.get("vllm:num_requests_running", 0)),
+                        int(v.get("vllm:num_requests_waiting", 0)),
+                        float(v.get("vllm:kv_cache_usage_perc", 0.0)))
+            for model, v in raw.items()}
+
+
+@dataclass(eq=False)
+class Life:
+    """One life of a node, from the probe that found it up to the one that found it down: the
+    routing identity of the requests on it (an incarnation, for the gateway's proxy)."""
+
+    address: tuple[str, int]  # (the node's name, its life's number)
+    host: str
+    port: int
+    avoid_after_loss_s: float  # a request lost on it is not sent back while it may be dead
+
+
+@dataclass(eq=False)
+class Node:
+    """One node gateway, at one address."""
+
+    host: str
+    port: int
+    listed_as: str  # the `upstreams.nodes` entry it was found by
+    life: Life | None = None  # up: its current life
+    lives: int = 0
+    loads: dict[str, Load] = field(default_factory=dict)
+    answered_at: float | None = None  # monotonic: its last probe that answered
+    refused: bool = False  # its last probe was refused: no new request until one answers
+    why: str = "not probed yet"
+    listed: bool = True  # its name still resolves to it
+    probing: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def routable(self) -> bool:
+        return self.life is not None and self.listed and not self.refused
+
+
+class Nodes:
+    """Membership and probes; `on_lost(Lost)` ends the calls in flight on a node's life."""
+
+    def __init__(self, spec: UpstreamsSpec, clock: Callable[[], float],
+                 on_lost: Callable[[Lost], None], on_change: Callable[[], None]) -> None:
+        self.spec, self.clock, self.on_lost, self.on_change = spec, clock, on_lost, on_change
+        self.nodes: dict[tuple[str, int], Node] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._resolved_at = float("-inf")
+        self.resolve_errors: dict[str, str] = {}  # entry -> why it did not resolve
+
+    def update(self, spec: UpstreamsSpec) -> None:
+        """A reload: the new list is resolved at the next round."""
+        self.spec, self._resolved_at = spec, float("-inf")
+
+    async def run(self) -> None:
+        """Resolve and probe until cancelled."""
+        try:
+            while True:
+                if self.clock() - self._resolved_at >= self.spec.resolve_interval_s:
+                    self._resolved_at = self.clock()
+                    await self.resolve()
+                for node in list(self.nodes.values()):
+                    if not node.probing:
+                        node.probing = True
+                        asyncio.get_running_loop().create_task(self._probe(node))
+                await asyncio.sleep(self.spec.probe_interval_s)
+        finally:
+            if self._session is not None:
+                await self._session.close()
+
+    async def resolve(self) -> None:
+        """Every address each entry's host resolves to is a node."""
+        loop = asyncio.get_running_loop()
+        found: dict[tuple[str, int], str] = {}
+        for host, port in self.spec.nodes:
+            entry = f"{host}:{port}"
+            try:
+                infos = await asyncio.wait_for(
+                    loop.getaddrinfo(host, port, type=socket.SOCK_STREAM),
+                    self.spec.probe_timeout_s)
+            except (OSError, asyncio.TimeoutError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                if self.resolve_errors.get(entry) != why:
+                    log.warning("[cluster] %s does not resolve: %s", entry, why)
+                self.resolve_errors[entry] = why
+                # its nodes stay as they were: a resolver's hiccup is not a membership change
+                found.update({a: n.listed_as for a, n in self.nodes.items()
+                              if n.listed_as == entry})
+                continue
+            self.resolve_errors.pop(entry, None)
+            for info in infos:
+                found.setdefault((str(info[4][0]), port), entry)
+        for address, entry in found.items():
+            node = self.nodes.get(address)
+            if node is None:
+                self.nodes[address] = Node(address[0], address[1], entry)
+                log.info("[cluster] node %s:%d (from %s)", address[0], address[1], entry)
+            elif not node.listed:
+                node.listed = True
+                self.on_change()
+        for address, node in list(self.nodes.items()):
+            if address not in found and node.listed:
+                node.listed = False
+                log.info("[cluster] node %s is no longer listed by %s: no new request goes "
+                         "to it", node.name, node.listed_as)
+                self.on_change()
+            if not node.listed and node.life is None:
+                del self.nodes[address]
+
+    def session(self, headers: dict[str, str]) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=True), headers=headers)
+        return self._session
+
+    async def _probe(self, node: Node) -> None:
+        timeout = self.spec.probe_timeout_s
+        try:
+            session = self.session({})
+            async with session.get(f"http://{_url_host(node.host)}:{node.port}/metrics",
+                                   timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+                text = await response.text()
+                if response.status != 200:
+                    raise ValueError(f"GET /metrics: HTTP {response.status}")
+            self._answered(node, parse_loads(text))
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+            self._silent(node, f"{type(exc).__name__}: {exc}" if str(exc) else
+                         f"no answer to GET /metrics within {timeout:g}s"
+                         if isinstance(exc, asyncio.TimeoutError) else type(exc).__name__,
+                         refused=isinstance(exc, aiohttp.ClientConnectorError))
+        finally:
+            node.probing = False
+
+    def _answered(self, node: Node, loads: dict[str, Load]) -> None:
+        node.answered_at, node.loads, node.why = self.clock(), loads, ""
+        changed = node.refused
+        node.refused = False
+        if node.life is None:
+            node.lives += 1
+            node.life = Life((node.name, node.lives), node.host, node.port,
+                             self.spec.probe_timeout_s + self.spec.probe_interval_s)
+            log.info("[cluster] node %s is up (life %d): %s", node.name, node.lives,
+                     ", ".join(sorted(loads)) or "no model")
+            changed = True
+        if changed:
+            self.on_change()
+
+    def _silent(self, node: Node, why: str, refused: bool) -> None:
+        node.why = why
+        if refused and not node.refused and node.life is not None:
+            log.warning("[cluster] node %s refused its probe (%s): no new request until it "
+                        "answers", node.name, why)
+        node.refused = refused
+        quiet_for = self.clock() - (node.answered_at or float("-inf"))
+        if node.life is not None and quiet_for >= self.spec.probe_timeout_s:
+            life, node.life = node.life, None
+            log.warning("[cluster] node %s is down: no probe answered for %.1fs (%s); its "
+                        "requests move", node.name, min(quiet_for, 1e9), why)
+            self.on_lost(Lost(life.address, f"down ({why})"))
+            self.on_change()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+class NodeRouter(Router):
+    """The gateway's router over nodes: a model is a group, a node's life an incarnation."""
+
+    def __init__(self, nodes: Nodes, clock: Callable[[], float]) -> None:
+        super().__init__(lambda: (), clock)
+        self.nodes = nodes
+        self._specs: dict[str, EngineSpec] = {}
+        self._turns = itertools.count()
+
+    def changed(self) -> None:
+        """A node came, went or answered again: waiting requests look again."""
+        self._changed.set()
+
+    def models(self) -> dict[str, str]:
+        return {m: m for node in self.nodes.nodes.values() if node.routable()
+                for m in node.loads}
+
+    def spec_of(self, group: str) -> EngineSpec:
+        up = self.nodes.spec
+        spec = self._specs.get(group)
+        if spec is None or (spec.queue_limit, spec.request_timeout_s, spec.migration_limit) != (
+                up.queue_limit, up.request_timeout_s, up.migration_limit):
+            spec = self._specs[group] = EngineSpec(
+                name=group, group=group, rank=0, replicas=1, model=_NODE_MODEL,
+                command=("upstreams",), openai="vllm", queue_limit=up.queue_limit,
+                request_timeout_s=up.request_timeout_s, migration_limit=up.migration_limit)
+        return spec
+
+    def address(self, lease: Lease) -> tuple[str, int]:
+        life: Any = lease.incarnation  # a Life: the proxy reads only its address and port
+        return _url_host(life.host), life.port
+
+    def stats_of(self, group: str) -> tuple[int, int, float] | None:
+        """Summed over the up nodes (KV usage: their mean), plus what waits here for one."""
+        loads = [n.loads[group] for n in self.nodes.nodes.values()
+                 if n.routable() and group in n.loads]
+        waiting = sum(x.waiting for x in loads) + max(0, self.queued[group] - sum(
+            self._load[n.life] for n in self.nodes.nodes.values() if n.life is not None))
+        usage = sum(x.kv_usage for x in loads) / len(loads) if loads else 0.0
+        return sum(x.running for x in loads), waiting, usage
+
+    def own_name(self, lease: Lease, model: str) -> str | None:
+        return model  # a node gateway serves the model by the name its clients use
+
+    def pick_node(self, group: str, avoid: Container[object]) -> Lease | None:
+        candidates = [(node, node.life) for node in self.nodes.nodes.values()
+                      if node.routable() and group in node.loads and node.life not in avoid]
+        if not candidates:
+            return None
+
+        def key(pair: tuple[Node, Life | None]) -> tuple[bool, int]:
+            node, life = pair
+            load = node.loads[group]
+            return load.kv_usage >= KV_FULL, load.waiting + self._load[life]
+
+        least = min(key(pair) for pair in candidates)
+        ties = [pair for pair in candidates if key(pair) == least]
+        node, life = ties[next(self._turns) % len(ties)]
+        self._load[life] += 1
+        return Lease(node, life)  # type: ignore[arg-type]
+
+    async def acquire(self, group: str, deadline: float,
+                      avoid: Container[object] = ()) -> Lease:
+        while True:
+            lease = self.pick_node(group, avoid)
+            if lease is not None:
+                return lease
+            left = deadline - self.clock()
+            if left <= 0:
+                raise NoReplica(f"no node serving '{group}' could take the request in time")
+            self._changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(left, 0.5))
+
+
+__all__ = ["Life", "Load", "Node", "NodeRouter", "Nodes", "parse_loads"]
