@@ -553,6 +553,8 @@ def _remotes(args: argparse.Namespace) -> list[Remote]:
 def _on_nodes(remotes: list[Remote], args: argparse.Namespace) -> int:
     if args.command == "status" and not args.watch:
         return _merged_status(remotes, args)
+    if args.command == "events":
+        return _merged_events(remotes, args)
     if args.command not in ("restart", "stop", "start"):
         raise CtlError(f"{args.command} talks to one node at a time: give one --host",
                        EXIT_USAGE)
@@ -603,6 +605,62 @@ def _merged_status(remotes: list[Remote], args: argparse.Namespace) -> int:
     if not args.json:
         print(render_table(rows))
     return EXIT_NOT_READY if unready else EXIT_OK
+
+
+def _merged_events(remotes: list[Remote], args: argparse.Namespace) -> int:
+    """Every node's events, each with its `node`: the recent ones in time order, then (-f) as
+    they come from any node. A node that cannot be reached is said on stderr (exit 3); the
+    others go on."""
+    lines: queue.Queue[tuple[Remote, bytes | None, str]] = queue.Queue()
+    query = f"/v1/events?lines={args.lines}" + ("&follow=1" if args.follow else "")
+
+    def read(remote: Remote) -> None:
+        error = ""
+        try:
+            client = Client("", remote, NODE_CONNECT_TIMEOUT_S)
+            resp = client.open("GET", query, timeout_s=None if args.follow else STATUS_TIMEOUT_S)
+            with client.transport_errors():
+                while line := resp.readline():
+                    lines.put((remote, line, ""))
+        except CtlError as e:
+            error = str(e)
+        finally:
+            lines.put((remote, None, error))
+    for remote in remotes:
+        threading.Thread(target=read, args=(remote,), daemon=True, name=remote.name).start()
+    backlog: list[dict[str, Any]] | None = []  # the recent events, printed in time order
+    open_, code = len(remotes), EXIT_OK
+    try:
+        while open_:
+            try:
+                remote, line, error = lines.get(timeout=0.3)
+            except queue.Empty:  # -f: the recent events are in (they come at once)
+                if backlog is not None and args.follow:
+                    _print_events(backlog, args.lines)
+                    backlog = None
+                continue
+            if line is None:
+                open_ -= 1
+                if error:
+                    print(f"enginectl: {remote.name}: {error}", file=sys.stderr)
+                    code = EXIT_NOT_READY
+                continue
+            event = {"node": remote.name, **json.loads(line)}
+            if backlog is not None:
+                backlog.append(event)
+            else:
+                _print_events([event], 1)
+        if backlog is not None:
+            _print_events(backlog, args.lines)
+    except KeyboardInterrupt:
+        pass
+    return code
+
+
+def _print_events(events: list[dict[str, Any]], last: int) -> None:
+    for event in sorted(events, key=lambda e: e.get("at") or 0)[-last:]:
+        sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ certificate made here by openssl, and a third address nobody listens on."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -21,9 +22,9 @@ from engined.supervisor.spec import SpecError, parse_fleet
 pytestmark = pytest.mark.timeout(300)
 
 
-def _enginectl(*args: str) -> subprocess.CompletedProcess[str]:
+def _enginectl(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PYTHON, "-m", "engined.supervisor.cli", *args], capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=timeout_s)
 
 
 def _certificate(where: Path) -> tuple[Path, Path]:
@@ -75,6 +76,26 @@ def test_enginectl_across_nodes(engined, short_tmp: Path):
     assert node_b.engine("echo-0")["pid"] == pids[1]
     done = _enginectl(*hosts, "restart", "echo-0")
     assert done.returncode == 2 and "NODE/NAME" in done.stderr, done
+
+    # events: every node's, each with its node, in time order; -f: then as they come
+    done = _enginectl(*hosts, "events", "-n", "50", timeout_s=30)
+    assert done.returncode == 0, done
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert {e["node"] for e in events} == {"a", "b"}
+    assert [e["at"] for e in events] == sorted(e["at"] for e in events)
+    assert any(e["node"] == "a" and e["engine"] == "echo-0" and e["to"] == "STOPPING"
+               for e in events), events
+    follow = subprocess.Popen([PYTHON, "-m", "engined.supervisor.cli", *hosts, "events", "-n",
+                               "1", "-f"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(follow.stdout.readline())["node"] == "a"  # the last, of any node
+        assert _enginectl(*hosts, "restart", "b/echo-0").returncode == 0
+        came = [json.loads(follow.stdout.readline()) for _ in range(3)]
+        assert [(e["node"], e["engine"], e["to"]) for e in came] == [
+            ("b", "echo-0", "STOPPING"), ("b", "echo-0", "STARTING"), ("b", "echo-0", "READY")]
+    finally:
+        follow.kill()
+        follow.wait(10)
 
     # one --host: every command, over TCP
     done = _enginectl("--host", f"127.0.0.1:{a}", "--token-file", str(token), "generate",
