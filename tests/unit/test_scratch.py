@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,8 @@ def tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setattr(tempfile, "tempdir", str(base))
     yield base
     scratch.remove_root(1234)
+    for cache in base.glob("torchinductor_*"):  # made for the incarnations' links
+        cache.rmdir()
     base.rmdir()
 
 
@@ -26,9 +29,15 @@ def test_an_incarnation_dir_is_named_after_it_and_made_on_demand(tmp: Path):
     path = tmp / "engined-scratch-1234" / "vllm-0.3"
     assert env["TMPDIR"] == str(path) and path.is_dir()
     assert (path.stat().st_mode & 0o777) == 0o700
-    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp / "torchinductor_"))
+    cache = env["TORCHINDUCTOR_CACHE_DIR"]
+    assert cache.startswith(str(tmp / "torchinductor_"))
+    # what torch keeps under $TMPDIR whatever the variable says (its precompiled headers)
+    # lands in the same cache, which outlives the incarnation
+    link = path / os.path.basename(cache)
+    assert link.is_symlink() and link.resolve() == Path(cache).resolve() and link.is_dir()
     (path / "vllm_dist_x").write_text("")
     assert scratch.remove("1234/vllm-0/3") == 1 and not path.exists()
+    assert Path(cache).is_dir()
     assert scratch.remove("1234/vllm-0/3") == 0  # gone already: nothing to do
 
 
