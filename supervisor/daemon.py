@@ -252,9 +252,11 @@ class Daemon:
         second_signal = asyncio.ensure_future(self._second_shutdown_signal())
         try:
             if s.gateway is not None:  # drain: accept nothing new, finish what runs
-                s.router.closing = True
+                s.router.closing = s.gateway.router.closing = True
                 budget = max((r.spec.stop_timeout_s for r in s.fleet.replicas.values()),
                              default=0.0)
+                if self.spec.upstreams is not None:  # a cluster gateway: its streams finish
+                    budget = self.spec.upstreams.request_timeout_s
                 if not await s.gateway.drained(budget):
                     log.warning("[shutdown] %d gateway request(s) still running after %.0fs",
                                 s.gateway.active, budget)

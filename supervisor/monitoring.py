@@ -66,8 +66,8 @@ class MonitoringEndpoint:
         return web.json_response(body, status=code)
 
     async def readyz(self, request: web.Request) -> web.Response:
-        if self.nodes is not None:  # a cluster gateway: ready while a node takes requests
-            return self._nodes_ready(self.nodes)
+        if self.nodes is not None and not self.fleet.stopping:  # a cluster gateway: ready
+            return self._nodes_ready(self.nodes)  # while a node takes requests
         code, body = self.fleet.view().readiness()
         return web.json_response(body, status=code)
 

@@ -14,7 +14,7 @@ from benchreport import section, sections, tables
 TARGETS = ("`vllm serve` alone", "engined gateway → `backend: vllm`",
            "engined gateway → `vllm serve` (command engine)")
 ENGINED = TARGETS[1:]
-PROMPTS = {"8": 16, "32": 32}  # bench.vllm.serving.QUICK
+PROMPTS = {"8": 8, "32": 16}  # bench.vllm.serving.QUICK
 LENGTH = "32"
 
 

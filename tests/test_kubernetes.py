@@ -24,7 +24,7 @@ from engined.supervisor.spec import parse_fleet
 
 REPO = Path(__file__).resolve().parents[1]
 KUBE = REPO / "kubernetes"
-OVERLAYS = ("base", "overlays/monitoring", "overlays/inference-pool")
+OVERLAYS = ("base", "overlays/monitoring", "overlays/inference-pool", "overlays/cluster-gateway")
 CUSTOM = {"InferencePool": "inferencepool.v1.yaml", "PodMonitor": "podmonitor.v1.yaml",
           "PrometheusRule": "prometheusrule.v1.yaml"}
 KUBERNETES_VERSION = "1.37.0"
@@ -147,6 +147,40 @@ def test_the_inference_pool_routes_to_each_pods_gateway(monkeypatch):
     assert numbers in ([gateway[1]], replicas), (numbers, gateway, replicas)
     assert set(numbers) <= {p["containerPort"] for p in container["ports"]}
     assert pool["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+
+
+def test_the_cluster_gateway_finds_the_engined_pods_through_a_headless_service():
+    objects = _render("overlays/cluster-gateway")
+    named = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    nodes = named[("Service", "engined-nodes")]["spec"]
+    node_pod = named[("Deployment", "engined")]["spec"]["template"]
+    assert nodes["clusterIP"] == "None" and nodes["publishNotReadyAddresses"] is False
+    assert nodes["selector"].items() <= node_pod["metadata"]["labels"].items()
+    node_api = next(p["containerPort"] for p in node_pod["spec"]["containers"][0]["ports"]
+                    if p["name"] == "api")
+
+    gateway = named[("Deployment", "engined-cluster")]["spec"]["template"]
+    (container,) = gateway["spec"]["containers"]
+    config = next(o for o in objects if o["kind"] == "ConfigMap"
+                  and o["metadata"]["name"].startswith("engined-cluster"))
+    assert gateway["spec"]["volumes"][0]["configMap"]["name"] == config["metadata"]["name"]
+    fleet = parse_fleet(config["data"]["cluster.yaml"], container["args"][1])
+    assert fleet.engines == () and fleet.upstreams is not None
+    # its one node entry is the headless Service's name, on the node pods' gateway port
+    service_port = next(p for p in nodes["ports"] if p["name"] == "api")
+    assert fleet.upstreams.nodes == (("engined-nodes", service_port["port"]),)
+    assert service_port["targetPort"] == "api" and service_port["port"] == node_api
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (ports["api"], ports["metrics"]) == (fleet.supervisor.gateway[1],
+                                                fleet.supervisor.http[1])
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
+    assert "limits" not in container["resources"]  # no GPU: it has no engine
+    # SIGTERM drains: a stream may run its whole request_timeout
+    assert gateway["spec"]["terminationGracePeriodSeconds"] >= \
+        fleet.upstreams.request_timeout_s + DRAIN_MARGIN_S
+    service = named[("Service", "engined-cluster")]["spec"]
+    assert service["selector"].items() <= gateway["metadata"]["labels"].items()
 
 
 def test_monitoring_scrapes_the_pod_and_alerts_from_the_one_rules_file():

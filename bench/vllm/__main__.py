@@ -121,9 +121,9 @@ def parse(argv: list[str] | None) -> Plan:
     parser = argparse.ArgumentParser(prog="python -m bench.vllm",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="6 rounds, 2 kills, 1 cold start, 1 freeze, a 10 s window; "
+                        help="3 rounds, 1 kill, 1 cold start, 1 freeze, a 5 s window; "
                              "section 4: 1 kill and 1 freeze of each kind, a 30 s window; "
-                             "section 5: 16 and 32 requests of 32 tokens in and out, 1 round")
+                             "section 5: 8 and 16 requests of 32 tokens in and out, 1 round")
     parser.add_argument("--only", choices=("all", "backend", "serve", "serving"), default="all",
                         help="all sections (default), sections 1-3 (`backend: vllm`), "
                              "section 4 (`vllm serve` as a command engine), or section 5 "
@@ -132,10 +132,10 @@ def parse(argv: list[str] | None) -> Plan:
     add_out_option(parser, "vllm")
     parser.add_argument("--rounds", type=int, default=None, help="overhead rounds (default 40)")
     parser.add_argument("--heavy-rounds", type=int, default=None,
-                        help="section 1c rounds on the heavier model (default 12, --quick 2; "
+                        help="section 1c rounds on the heavier model (default 12, --quick 1; "
                              "0 skips it)")
     parser.add_argument("--trials", type=int, default=None,
-                        help="sustained-load trials per path (default 5, --quick 2)")
+                        help="sustained-load trials per path (default 5, --quick 1)")
     parser.add_argument("-n", "--kills", type=int, default=None,
                         help="SIGKILLs of the engine (default 5)")
     parser.add_argument("--serves", type=int, default=None,
@@ -166,13 +166,13 @@ def parse(argv: list[str] | None) -> Plan:
     return Plan(
         quick=q, only=args.only, out=out_path(args, "vllm"),
         python=args.vllm_python or default_vllm_python(), cache_dir=args.cache_dir,
-        rounds=args.rounds or (6 if q else 40), trials=args.trials or (2 if q else 5),
+        rounds=args.rounds or (3 if q else 40), trials=args.trials or (1 if q else 5),
         sizes=SUSTAINED_REQUESTS_QUICK if q else SUSTAINED_REQUESTS,
-        heavy_rounds=(args.heavy_rounds if args.heavy_rounds is not None else 2 if q else 12),
+        heavy_rounds=(args.heavy_rounds if args.heavy_rounds is not None else 1 if q else 12),
         heavy_trials=1 if q else 5,
         heavy_sizes=HEAVY_SUSTAINED_REQUESTS_QUICK if q else HEAVY_SUSTAINED_REQUESTS,
-        kills=args.kills or (2 if q else 5), serves=args.serves or (1 if q else 3),
-        freezes=args.freezes or (1 if q else 3), window=args.window or (10.0 if q else 30.0),
+        kills=args.kills or (1 if q else 5), serves=args.serves or (1 if q else 3),
+        freezes=args.freezes or (1 if q else 3), window=args.window or (5.0 if q else 30.0),
         serve_kills=args.serve_kills or (1 if q else 3),
         serve_freezes=args.serve_freezes or (1 if q else 3),
         k8s_window=args.k8s_window or (30.0 if q else 60.0),

@@ -65,7 +65,7 @@ PATH_LABELS = {
 # Sustained load: this many requests per trial at each concurrency (a finished request is
 # replaced at once), trials of the five paths in a rotating order.
 SUSTAINED_REQUESTS = {1: 48, 8: 192}
-SUSTAINED_REQUESTS_QUICK = {1: 12, 8: 48}
+SUSTAINED_REQUESTS_QUICK = {1: 6, 8: 24}
 # Sections 1c and 1d: a heavier random model from tiny-llama's recipe (its tokenizer, head_dim
 # 64), whose decode step at 8 concurrent (~12-15 ms here) is the order of a 7-13B model's on one
 # GPU; tiny-llama's ~2.5 ms step is mostly vLLM's own per-step Python.
@@ -74,7 +74,7 @@ HEAVY_DIMS = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers"
 HEAVY_NAME = "heavy-llama-" + "-".join(str(v) for v in HEAVY_DIMS.values())
 # its sustained load (section 1d), per trial: 12 cycles of 8 (a trial of 48 was a ±10 % noise)
 HEAVY_SUSTAINED_REQUESTS = {1: 12, 8: 96}
-HEAVY_SUSTAINED_REQUESTS_QUICK = {1: 4, 8: 16}
+HEAVY_SUSTAINED_REQUESTS_QUICK = {1: 2, 8: 8}
 
 
 # --- the direct path ------------------------------------------------------------------------------

@@ -146,7 +146,7 @@ class Workload:
 # one run of the same server can be twice as fast as the next (see the README), so a median needs
 # several
 FULL = Workload(128, {8: 64, 32: 128}, 6)
-QUICK = Workload(32, {8: 16, 32: 32}, 1)
+QUICK = Workload(32, {8: 8, 32: 16}, 1)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -209,6 +210,23 @@ def test_a_stream_survives_its_node_and_the_node_is_used_again(cluster: Cluster)
         assert done.choices[0].text == expected(PROMPT, 4)
     assert served_by(f"http://127.0.0.1:{https[index]}/metrics") >= 1, \
         "the node that came back got no request"
+
+    # SIGTERM: a drain; /readyz 503 at once, the stream in flight finishes, exit 0
+    stream = BackgroundStream(client, "fake", PROMPT, TOKENS)
+    assert stream.started.wait(60)
+    gw.signal(signal.SIGTERM)
+    gw.wait_for(lambda: _status(f"http://127.0.0.1:{http}/readyz") == 503, 10, "readyz 503")
+    stream.join(120)
+    assert stream.text() == expected(PROMPT, TOKENS)
+    assert gw.wait_exit() == 0
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 # --- real separate hosts: network namespaces ----------------------------------------------------
