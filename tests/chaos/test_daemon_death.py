@@ -20,6 +20,8 @@ from driver import PYTHON, REPO_ROOT, _clean_env, wait_engines_gone
 
 from chaos.procs import fleet_processes
 
+pytestmark = pytest.mark.slow
+
 NO_ORPHANS_WITHIN_S = 5.0
 LOAD_S = 3.0  # the loading engine's "model load": long enough to be caught STARTING
 TOKEN_MS = 100  # the slow engine's per-token time: a 200-token request takes 20 s

@@ -12,7 +12,10 @@ import threading
 import time
 
 import openai
+import pytest
 from driver import free_port
+
+pytestmark = pytest.mark.slow
 
 CLIENTS = int(os.environ.get("CHAOS_CLIENTS", "16"))
 PER_CLIENT = int(os.environ.get("CHAOS_PER_CLIENT", "13"))

@@ -31,7 +31,7 @@ from driver import PYTHON, REPO_ROOT, BackgroundStream, Daemon, build_spec, free
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 from commandserver import next_token  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SERVER = str(REPO_ROOT / "tests" / "commandserver.py")
 PROMPT = "a prompt that crosses nodes"

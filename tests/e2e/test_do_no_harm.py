@@ -18,6 +18,8 @@ import psutil
 import pytest
 from driver import ORPHAN_GRACE_S, free_port
 
+pytestmark = pytest.mark.slow
+
 HEARTBEAT_TIMEOUT_S = 1.5  # the fixture's
 ECHO = {"name": "echo", "replicas": 1, "model": "builtin:echo"}
 

@@ -19,7 +19,7 @@ import openai
 import pytest
 from driver import free_port
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 FLOOD = 200
 CAP = 32
 SLOW_HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from driver import free_port
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MiB = 1 << 20
 # Over what the engine holds once loaded: one of the burst's sequences fits, four do not, nor
 # does one sequence of the whole context (measured: 15 MiB fits none, 20 to 26 MiB fit this)

@@ -14,8 +14,11 @@ import subprocess
 import time
 
 import psutil
+import pytest
 from driver import PYTHON, REPO_ROOT, _clean_env, free_port, process_gone
 from handover_helpers import FLEET, Clients, identity, metric
+
+pytestmark = pytest.mark.slow
 
 
 def _saved(d) -> set[tuple[int, str]]:

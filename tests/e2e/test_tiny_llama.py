@@ -33,6 +33,8 @@ from driver import (
 from logprob_cases import check_logprobs, check_tokenize
 from sampling_cases import check_sampling_fields
 
+pytestmark = pytest.mark.slow
+
 READY_TIMEOUT_S = 120.0  # torch import + load + warm-up, two replicas sharing a small CPU box
 FAILED_TIMEOUT_S = 60.0
 TORCH_LIBS = ("libtorch", "libc10")  # libtorch_cpu.so, libtorch_python.so, libc10.so, ...

@@ -15,6 +15,8 @@ import pytest
 from driver import free_port
 from handover_helpers import FLEET, Clients, identity, metric
 
+pytestmark = pytest.mark.slow
+
 
 def test_upgrade_keeps_every_engine_and_every_request(engined):
     gateway, http = free_port(), free_port()

@@ -344,6 +344,7 @@ def _run(case_dir: Path, data: bytes, subprocess_too: bool = False) -> str:
     return f"exit {code}" + (f": {err.splitlines()[1].split(': ')[1][:25]}" if code else "")
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=IN_PROCESS_STRUCTURED)
 @given(structured_specs())
 def test_structured_mutations(case_dir: Path, data: bytes) -> None:
@@ -362,6 +363,7 @@ def test_random_bytes(case_dir: Path, data: bytes) -> None:
     event(_run(case_dir, data))
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=SUBPROCESS_CASES)
 @given(ANY_CASE)
 def test_real_engined_check_matches(case_dir: Path, data: bytes) -> None:
