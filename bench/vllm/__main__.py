@@ -106,33 +106,41 @@ class Plan:
 
     @property
     def backend(self) -> bool:
-        return self.only in ("all", "backend")
+        return self.only == "all" or "backend" in self.only.split(",")
 
     @property
     def served(self) -> bool:
-        return self.only in ("all", "serve")
+        return self.only == "all" or "serve" in self.only.split(",")
 
     @property
     def serving(self) -> bool:
-        return self.only in ("all", "serving")
+        return self.only == "all" or "serving" in self.only.split(",")
+
+
+def _sections(text: str) -> str:
+    names = [n.strip() for n in text.split(",")]
+    if text == "all" or (names and set(names) <= {"backend", "serve", "serving"}):
+        return ",".join(names)
+    raise argparse.ArgumentTypeError(f"{text!r}: all, or a list of backend, serve, serving")
 
 
 def parse(argv: list[str] | None) -> Plan:
     parser = argparse.ArgumentParser(prog="python -m bench.vllm",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="3 rounds, 1 kill, 1 cold start, 1 freeze, a 5 s window; "
+                        help="3 rounds, 1 kill, 1 cold start, 1 freeze, a 5 s window, not the "
+                             "heavier model; "
                              "section 4: 1 kill and 1 freeze of each kind, a 30 s window; "
                              "section 5: 8 and 16 requests of 32 tokens in and out, 1 round")
-    parser.add_argument("--only", choices=("all", "backend", "serve", "serving"), default="all",
-                        help="all sections (default), sections 1-3 (`backend: vllm`), "
-                             "section 4 (`vllm serve` as a command engine), or section 5 "
-                             "(vLLM's serving benchmark through the gateway and against "
-                             "`vllm serve`)")
+    parser.add_argument("--only", type=_sections, default="all",
+                        help="all sections (default), or a comma-separated list of: backend "
+                             "(sections 1-3, `backend: vllm`), serve (section 4, `vllm serve` "
+                             "as a command engine), serving (section 5, vLLM's serving "
+                             "benchmark through the gateway and against `vllm serve`)")
     add_out_option(parser, "vllm")
     parser.add_argument("--rounds", type=int, default=None, help="overhead rounds (default 40)")
     parser.add_argument("--heavy-rounds", type=int, default=None,
-                        help="section 1c rounds on the heavier model (default 12, --quick 1; "
+                        help="section 1c rounds on the heavier model (default 12, --quick 0; "
                              "0 skips it)")
     parser.add_argument("--trials", type=int, default=None,
                         help="sustained-load trials per path (default 5, --quick 1)")
@@ -168,7 +176,7 @@ def parse(argv: list[str] | None) -> Plan:
         python=args.vllm_python or default_vllm_python(), cache_dir=args.cache_dir,
         rounds=args.rounds or (3 if q else 40), trials=args.trials or (1 if q else 5),
         sizes=SUSTAINED_REQUESTS_QUICK if q else SUSTAINED_REQUESTS,
-        heavy_rounds=(args.heavy_rounds if args.heavy_rounds is not None else 1 if q else 12),
+        heavy_rounds=(args.heavy_rounds if args.heavy_rounds is not None else 0 if q else 12),
         heavy_trials=1 if q else 5,
         heavy_sizes=HEAVY_SUSTAINED_REQUESTS_QUICK if q else HEAVY_SUSTAINED_REQUESTS,
         kills=args.kills or (1 if q else 5), serves=args.serves or (1 if q else 3),

@@ -82,12 +82,12 @@ class Cluster:
         daemon.start()
         return daemon
 
-    def node(self, name: str, gateway: str, http: str,
-             wrapper: tuple[str, ...] = ()) -> Daemon:
+    def node(self, name: str, gateway: str, http: str, wrapper: tuple[str, ...] = (),
+             **supervisor: Any) -> Daemon:
         root = self.root / name
         root.mkdir(exist_ok=True)
-        spec = build_spec(root, node_engines(),
-                          {**NODE_SUPERVISOR, "gateway": gateway, "http": http}, None)
+        spec = build_spec(root, node_engines(), {**NODE_SUPERVISOR, "gateway": gateway,
+                                                 "http": http, **supervisor}, None)
         daemon = self.daemon(name, spec, list(wrapper))
         daemon.wait_all_ready()
         return daemon
@@ -168,21 +168,32 @@ def cluster(short_tmp: Path) -> Iterator[Cluster]:
 
 
 def test_a_stream_survives_its_node_and_the_node_is_used_again(cluster: Cluster):
+    # the nodes ask a token of their clients (the cluster gateway's upstreams.api_key_file),
+    # and the cluster gateway another of its own (supervisor.api_key_file)
+    node_token, client_token = cluster.root / "node-token", cluster.root / "client-token"
+    node_token.write_text("node-secret\n")
+    client_token.write_text("client-secret\n")
     ports = [free_port() for _ in range(3)]
     https = [free_port() for _ in range(3)]
-    nodes = {f"n{i}": cluster.node(f"n{i}", f"127.0.0.1:{p}", f"127.0.0.1:{h}")
+    nodes = {f"n{i}": cluster.node(f"n{i}", f"127.0.0.1:{p}", f"127.0.0.1:{h}",
+                                   api_key_file=str(node_token))
              for i, (p, h) in enumerate(zip(ports, https))}
     gateway, http = free_port(), free_port()
     spec = cluster_spec(cluster.root / "gw", [f"127.0.0.1:{p}" for p in ports],
                         f"127.0.0.1:{gateway}", f"127.0.0.1:{http}")
+    spec["supervisor"]["api_key_file"] = str(client_token)
+    spec["upstreams"]["api_key_file"] = str(node_token)
     gw = cluster.daemon("gw", spec, [])
     metrics = f"http://127.0.0.1:{http}/metrics"
 
     def up(port: int) -> bool:
         return metric(metrics, "engined_cluster_node_up", f'node="127.0.0.1:{port}"') == 1
     gw.wait_for(lambda: all(up(p) for p in ports), 30, "three nodes up")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway}/v1", api_key="none",
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway}/v1", api_key="client-secret",
                            max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{gateway}/v1", api_key="node-secret",
+                      max_retries=0).models.list()
     assert [m.id for m in client.models.list()] == ["fake"]
     done = client.completions.create(model="fake", prompt=PROMPT, max_tokens=12)
     assert done.choices[0].text == expected(PROMPT, 12)
