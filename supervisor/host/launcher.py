@@ -105,7 +105,8 @@ def child_environment(config: EngineConfig, extra: Mapping[str, str], pythonpath
         "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
     })
     env.update(extra)
-    env.update(scratch.environment(owner_token(config.name, config.incarnation), extra))
+    env.update(scratch.environment(owner_token(config.name, config.incarnation), extra,
+                                   torch=config.model != "builtin:echo"))
     # Set before the interpreter starts, so before any CUDA call. No GPUs: hide them all, so a
     # CPU engine can never initialise CUDA on GPU 0 by accident.
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in config.gpus)

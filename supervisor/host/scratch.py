@@ -59,10 +59,11 @@ def _default_inductor_cache() -> str | None:
                                                                           user))
 
 
-def environment(token: str, env: Mapping[str, str]) -> dict[str, str]:
+def environment(token: str, env: Mapping[str, str], torch: bool = True) -> dict[str, str]:
     """The variables to add for a child's own TMPDIR, `env` being its spec's env: nothing if
     that sets TMPDIR. Creates the directory. The inductor cache is left alone where the spec or
-    the daemon's own environment (which the child inherits) sets it."""
+    the daemon's own environment (which the child inherits) sets it; `torch`: the child may
+    use torch (not `builtin:echo`), so the TMPDIR links the cache (made if need be)."""
     if "TMPDIR" in env:
         return {}
     path = incarnation_dir(token)
@@ -72,6 +73,7 @@ def environment(token: str, env: Mapping[str, str]) -> dict[str, str]:
     cache = _default_inductor_cache()
     if cache is not None and "TORCHINDUCTOR_CACHE_DIR" not in {**os.environ, **env}:
         extra["TORCHINDUCTOR_CACHE_DIR"] = cache
+    if torch and cache is not None and extra.get("TORCHINDUCTOR_CACHE_DIR") == cache:
         # torch puts some of it (its precompiled headers) under $TMPDIR whatever the variable
         # says: the same place, or every restart compiles them again (~20 s of g++ on a CPU)
         with contextlib.suppress(OSError):
