@@ -52,9 +52,10 @@ from bench.report import (
 PORT, HTTP = 8000, 9400  # every node's gateway and metrics, each on its own address
 TICK = "0.01"  # seconds per token of the nodes' engines
 HOP_TOKENS, LOAD_TOKENS = 32, 64
+FAULT_WAIT_S = 10.0  # the most a fault waits for half the streams to be mid-way
 
 
-@dataclass
+@dataclass(eq=False)
 class Stream:
     """One streamed request as the client saw it."""
 
@@ -76,15 +77,22 @@ class Stream:
         return max(gaps, key=lambda g: g[1]) if gaps else (0.0, 0.0)
 
 
-def stream(client: openai.OpenAI, prompt: str, tokens: int) -> Stream:
+def stream(client: openai.OpenAI, prompt: str, tokens: int,
+           live: set[Stream] | None = None) -> Stream:
+    """One streamed completion; `live`: the streams past their first chunk and not done."""
     s = Stream(prompt, time.monotonic())
     try:
         for chunk in client.completions.create(model="fake", prompt=prompt, max_tokens=tokens,
                                                stream=True):
             s.chunks.append(time.monotonic())
             s.text += "".join(c.text for c in chunk.choices)
+            if live is not None and len(s.chunks) == 1:
+                live.add(s)
     except openai.OpenAIError as exc:
         s.error = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        if live is not None:
+            live.discard(s)
     return s
 
 
@@ -104,24 +112,39 @@ def hop(cluster: openai.OpenAI, direct: openai.OpenAI, n: int) -> dict[str, list
 def under_faults(client: openai.OpenAI, requests: int, concurrency: int,
                  faults: list[tuple[float, Callable[[], None]]]) -> tuple[list[Stream], list]:
     """Section 2: `requests` streams, `concurrency` at a time; each fault runs once that share
-    of the requests has been started. Returns the streams and (when, what) of each fault."""
+    of the requests has been started and half the streams are mid-way (a busy box may have none
+    at a given instant: the fault waits for them, at most FAULT_WAIT_S). Returns the streams
+    and (when, what) of each fault."""
     started = 0
-    lock = threading.Lock()
+    live: set[Stream] = set()
     done_faults: list[tuple[float, str]] = []
-    pending = sorted(faults, key=lambda f: f[0])
+    finished = threading.Event()
 
     def one(i: int) -> Stream:
         nonlocal started
-        with lock:
-            started += 1
-            while pending and started >= pending[0][0] * requests:
-                _, fault = pending.pop(0)
-                fault()
-                done_faults.append((time.monotonic(), getattr(fault, "__name__", "fault")))
-        return stream(client, f"request {i}: a prompt that crosses nodes", LOAD_TOKENS)
+        started += 1
+        return stream(client, f"request {i}: a prompt that crosses nodes", LOAD_TOKENS, live)
 
-    with ThreadPoolExecutor(concurrency) as pool:
-        streams = list(pool.map(one, range(requests)))
+    def controller() -> None:
+        for share, fault in sorted(faults, key=lambda f: f[0]):
+            deadline = None
+            while not finished.is_set():
+                if started >= share * requests:
+                    deadline = deadline or time.monotonic() + FAULT_WAIT_S
+                    if len(live) >= concurrency // 2 or time.monotonic() > deadline:
+                        break
+                time.sleep(0.005)
+            fault()
+            done_faults.append((time.monotonic(), getattr(fault, "__name__", "fault")))
+
+    thread = threading.Thread(target=controller, name="faults")
+    thread.start()
+    try:
+        with ThreadPoolExecutor(concurrency) as pool:
+            streams = list(pool.map(one, range(requests)))
+    finally:
+        finished.set()
+        thread.join()
     return streams, done_faults
 
 

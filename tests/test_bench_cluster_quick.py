@@ -39,4 +39,3 @@ def test_cluster_quick_produces_every_table(tmp_path) -> None:
     assert int(count["moved to another node (engined_gateway_migrations_total)"]) >= 1, counts
     assert [row[0] for row in waits] == ["a node SIGKILLed (daemon and engines)",
                                          "a node's link cut (silence)"], waits
-    assert all(int(row[-1]) >= 1 for row in waits), waits  # streams were in flight at each
