@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import re
 import socket
@@ -100,7 +99,7 @@ class Node:
 
     @property
     def name(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return f"{_url_host(self.host)}:{self.port}"
 
     def routable(self) -> bool:
         return self.life is not None and self.listed and not self.refused
@@ -176,16 +175,16 @@ class Nodes:
             if not node.listed and node.life is None:
                 del self.nodes[address]
 
-    def session(self, headers: dict[str, str]) -> aiohttp.ClientSession:
+    def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, force_close=True), headers=headers)
+                connector=aiohttp.TCPConnector(limit=0, force_close=True))
         return self._session
 
     async def _probe(self, node: Node) -> None:
         timeout = self.spec.probe_timeout_s
         try:
-            session = self.session({})
+            session = self.session()
             async with session.get(f"http://{_url_host(node.host)}:{node.port}/metrics",
                                    timeout=aiohttp.ClientTimeout(total=timeout)) as response:
                 text = await response.text()
@@ -240,7 +239,6 @@ class NodeRouter(Router):
         super().__init__(lambda: (), clock)
         self.nodes = nodes
         self._specs: dict[str, EngineSpec] = {}
-        self._turns = itertools.count()
 
     def changed(self) -> None:
         """A node came, went or answered again: waiting requests look again."""
@@ -290,7 +288,7 @@ class NodeRouter(Router):
 
         least = min(key(pair) for pair in candidates)
         ties = [pair for pair in candidates if key(pair) == least]
-        node, life = ties[next(self._turns) % len(ties)]
+        node, life = ties[next(self._turn) % len(ties)]
         self._load[life] += 1
         return Lease(node, life)  # type: ignore[arg-type]
 

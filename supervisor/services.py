@@ -146,8 +146,7 @@ class Services:
             nodes = cluster.Nodes(spec.upstreams, clock.monotonic, upstream.on_lost,
                                   lambda: node_router.changed())
             gateway_router = node_router = cluster.NodeRouter(nodes, clock.monotonic)
-            node_token = ApiKey(spec.upstreams.api_key_file, "upstreams.api_key_file")
-            upstream.headers = node_token.headers()
+            upstream.headers = _node_headers(spec.upstreams)
         gateway = (Gateway(gateway_router, channels, upstream, ApiKey(sup.api_key_file),
                            clock.monotonic) if sup.gateway is not None else None)
 
@@ -282,8 +281,7 @@ class Services:
         """A reload of a cluster gateway: its node list and the node gateways' token."""
         assert self.nodes is not None
         self.nodes.update(spec)
-        token = ApiKey(spec.api_key_file, "upstreams.api_key_file")
-        self.upstream.headers = token.headers()
+        self.upstream.headers = _node_headers(spec)
 
     async def close(self) -> None:
         """After the fleet has stopped: the fork servers, the guard, the clients and the engine
@@ -301,3 +299,8 @@ def status_line(fleet: Fleet) -> str:
     """systemd's STATUS=."""
     ready, wanted = fleet.counts()
     return f"{ready}/{wanted} engines ready"
+
+
+def _node_headers(spec: UpstreamsSpec) -> dict[str, str]:
+    """What the cluster gateway sends the node gateways: their token, when they ask one."""
+    return ApiKey(spec.api_key_file, "upstreams.api_key_file").headers()
