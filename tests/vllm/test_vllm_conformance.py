@@ -105,10 +105,11 @@ MERGED_RETRIES = 5
 
 
 def both(pair: Pair, path: str, body: dict[str, Any]) -> tuple[Any, Any]:
-    """vLLM's answer and the gateway's, both 200. A stream of vLLM's whose choice came in one
-    event where the gateway's took several (vLLM's server merges the outputs its engine got
-    ahead with: on a loaded box, a short answer's all) is asked for again: one event would be
-    its choice's first and last alike, and say nothing of either's shape."""
+    """vLLM's answer and the gateway's, both 200. A stream of vLLM's whose choice came in fewer
+    events than the gateway's is asked for again: vLLM's server merges the outputs its engine got
+    ahead with when it falls behind (on a slow or loaded box; a short answer's all), and a
+    merged event's logprobs list several tokens where the gateway's event lists one, or is the
+    choice's first and last event alike and says nothing of either's shape."""
     ours = post(pair.gateway, path, {**body, "model": OURS})
     for _ in range(MERGED_RETRIES):
         direct = post(pair.direct, path, {**body, "model": pair.upstream_model})
@@ -120,20 +121,28 @@ def both(pair: Pair, path: str, body: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def merged(vllm: list[dict[str, Any]], ours: list[dict[str, Any]]) -> bool:
+    """vLLM's server put the outputs of several of its engine's steps into one event for some
+    choice (it sent fewer events than the gateway did, one per token)."""
     theirs, mine = choices_of(vllm)[0], choices_of(ours)[0]
-    return any(len(c.events) == 1 and len(mine.get(i, c).events) > 1
-               for i, c in theirs.items())
+    return any(len(c.events) < len(mine.get(i, c).events) for i, c in theirs.items())
 
 
 # --- comparisons ------------------------------------------------------------------------------
 
 
-def shape(value: Any) -> Any:
-    """The keys at every level and the JSON types; a list's shape is the set of its items'."""
+def shape(value: Any, tokens: bool = False) -> Any:
+    """The keys at every level and the JSON types; a list's shape is the set of its items'.
+    `tokens`: dicts whose keys are tokens, not field names (the entries of a completion's
+    `top_logprobs`: which tokens they name is a value, compared as one where exact)."""
     if isinstance(value, dict):
-        return {key: shape(item) for key, item in value.items()}
+        if tokens:
+            return {"<token>": sorted({json.dumps(shape(v), sort_keys=True)
+                                       for v in value.values()})}
+        completion_logprobs = "text_offset" in value
+        return {key: shape(item, completion_logprobs and key == "top_logprobs")
+                for key, item in value.items()}
     if isinstance(value, list):
-        return sorted({json.dumps(shape(item), sort_keys=True) for item in value})
+        return sorted({json.dumps(shape(item, tokens), sort_keys=True) for item in value})
     if isinstance(value, bool) or value is None:
         return repr(value) if value is None else "bool"
     if isinstance(value, (int, float)):
