@@ -28,7 +28,7 @@ log = logging.getLogger("engined.gateway")
 MAX_BODY_BYTES = 64 << 20  # a whole answer read from a server (embeddings can be large)
 # idle seconds a kept connection may wait for its next request: under uvicorn's 5 s (vLLM's
 # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, SGLang's and most Python servers'), so that the server is rarely
-# the side that closes it (aiohttp's own sweep may leave one up to twice this)
+# the side that closes it (one idle longer is never sent on again; aiohttp closes it later)
 KEEPALIVE_S = 2.0
 Address = tuple[str, int]
 
