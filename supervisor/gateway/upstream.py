@@ -54,17 +54,18 @@ class Upstream:
 
     async def _send(self, method: str, address: Address, path: str, body: bytes | None,
                     headers: dict[str, str]) -> aiohttp.ClientResponse:
-        """The request's answer (its status and headers read, its body not yet); a kept
-        connection found closed before any answer is replaced by a new one, once."""
+        """The request's answer (its status and headers read, its body not yet). A connection
+        closed or reset before any answer is replaced by a new one, once: which connection the
+        pool gave is not known here, and a kept one the server timed out is the usual cause."""
         url = _url(address, path)
         try:
             return await self.session().request(method, url, data=body, headers=headers)
         except aiohttp.ClientConnectorError:
             raise  # no connection could be made: the server is not there
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            # the server closed or reset the connection before answering: a kept one it had
-            # timed out. On a new connection, a server that is gone refuses it (and the request
-            # moves as before); one that is there gets the request it never saw.
+            # the server closed or reset the connection before answering. On a new connection,
+            # a server that is gone refuses it (and the request moves as before); one that is
+            # there gets the request again (a kept connection it had timed out never saw it).
             return await self._fresh_session().request(method, url, data=body, headers=headers)
 
     @contextlib.asynccontextmanager
