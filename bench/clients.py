@@ -32,7 +32,6 @@ from typing import Any
 
 import aiohttp
 import psutil
-from driver import free_port
 
 from bench.common import BenchDaemon, Cleanup, Tracker, wait_until
 from bench.metrics import Snapshots, est, lag_ms, read_lag
@@ -47,6 +46,7 @@ from bench.report import (
     table,
     title,
 )
+from testkit.driver import free_port
 
 MiB = 1 << 20
 SLOW_HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -3,10 +3,10 @@
     python -m bench.cluster [--quick] [--out FILE]   # default bench/results/cluster.md
                                                      # (--quick: cluster-quick.md)
 
-The hosts are network namespaces (as root; tests/clusternet.py): each node in one of its own,
+The hosts are network namespaces (as root; testkit/clusternet.py): each node in one of its own,
 joined by a veth pair to the cluster gateway's, which this one reaches by another; the nodes'
 name resolves through the gateway's hosts file. Each node is a real engined whose engine is
-tests/commandserver.py as an `openai: vllm` command engine (its next token is a function of the
+testkit/commandserver.py as an `openai: vllm` command engine (its next token is a function of the
 whole sequence: the expected text of every request is known exactly).
 
 1. The extra hop: streamed completions, one at a time, alternating between the cluster gateway
@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
-from clusternet import Cluster, Hosts, cluster_spec, expected, kill_node, metric, netns_problem
 
 from bench.report import (
     Report,
@@ -47,6 +46,15 @@ from bench.report import (
     out_path,
     table,
     title,
+)
+from testkit.clusternet import (
+    Cluster,
+    Hosts,
+    cluster_spec,
+    expected,
+    kill_node,
+    metric,
+    netns_problem,
 )
 
 PORT, HTTP = 8000, 9400  # every node's gateway and metrics, each on its own address
@@ -171,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     r(title("engined cluster gateway benchmark", args.quick), "", *machine_lines(),
       engined_revision(), load_average("start"),
       f"- three nodes, each an engined in a network namespace of its own, its engine "
-      f"tests/commandserver.py (`openai: vllm`, a token every {TICK} s); the cluster gateway in "
+      f"testkit/commandserver.py (`openai: vllm`, a token every {TICK} s); the cluster gateway in "
       f"a fourth namespace, the nodes found through a name in its hosts file; probes every "
       f"0.3 s, a node down after 2 s without an answer", "")
     hosts, root = Hosts(3), Path(tempfile.mkdtemp(prefix="ecb", dir="/tmp"))

@@ -1,13 +1,12 @@
 """What the benchmarks share: errors and waits, process tracking and cleanup by pid, the engined
-daemon (tests/driver.py's `Daemon` with what a benchmark adds), clients of its control socket and
+daemon (testkit/driver.py's `Daemon` with what a benchmark adds), clients of its control socket and
 the benchmarks' HTTP load generator. How they report is bench/report.py.
 
-The daemon driver is the tests' own, tests/driver.py, imported by its one name, `driver` (bench's
-`__init__` puts tests/ on sys.path). What the benchmarks use of engined's supervisor internals is
-imported here and nowhere else (HTTP over the control socket, the engine channels, how the
-launcher builds an engine child's environment, the spec's source), so that it is repointed in one
-place when they move. Nothing here kills by name: every process is tracked by pid (psutil
-handles, which guard against pid reuse) and stopped by pid.
+The daemon driver is the tests' own, `testkit.driver`. What the benchmarks use of engined's
+supervisor internals is imported here and nowhere else (HTTP over the control socket, the engine
+channels, how the launcher builds an engine child's environment, the spec's source), so that it is
+repointed in one place when they move. Nothing here kills by name: every process is tracked by pid
+(psutil handles, which guard against pid reuse) and stopped by pid.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
-from driver import Daemon, build_spec, is_engine_of
 
 # engined's supervisor internals, imported here only (`as`: re-exported to the benchmarks)
 from engined.supervisor.client import UnixHTTPConnection as UnixHTTPConnection
@@ -36,6 +34,7 @@ from engined.supervisor.host.launcher import child_environment as child_environm
 from engined.supervisor.host.launcher import expose_engine_package as expose_engine_package
 from engined.supervisor.ipc import EngineChannels as EngineChannels
 from engined.supervisor.spec import resolve
+from testkit.driver import Daemon, build_spec, is_engine_of
 
 ROOT = Path(__file__).resolve().parent.parent
 # the checkout the engined under test is imported from: ROOT, unless bench/ runs from another
@@ -348,7 +347,7 @@ class StatusConnection(KeepAlive):
 
 
 class BenchDaemon(Daemon):
-    """tests/driver.py's Daemon in a short directory under /tmp (`/tmp/<prefix>XXXXXXXX`, runtime
+    """testkit/driver.py's Daemon in a short directory under /tmp (`/tmp/<prefix>XXXXXXXX`, runtime
     dir `rt/` in it: ZeroMQ ipc paths must stay short), with what a benchmark adds: every restart
     immediate, 1 s heartbeats, no ENGINED_* variable from our environment (but our PYTHONPATH,
     if any: the daemon runs the engined the benchmark imports), GET /v1/status on a

@@ -69,7 +69,7 @@ def stats_row(name: str, samples: list[float]) -> str:
 
 # --- engined ------------------------------------------------------------------------------------
 class Engined(BenchDaemon):
-    """engined with `replicas` echo engines (`echo-0` ...), in /tmp/ebXXXXXXXX (tests/driver.py's
+    """engined with `replicas` echo engines (`echo-0` ...), in /tmp/ebXXXXXXXX (testkit/driver.py's
     Daemon through bench.common.BenchDaemon: immediate restarts, 1 s heartbeats)."""
 
     def __init__(self, replicas: int, tracker: Tracker, http: str = "off") -> None:

@@ -81,7 +81,7 @@ print(imported, loaded, time.time(), flush=True)
 
 # --- the daemon -----------------------------------------------------------------------------------
 class Daemon(BenchDaemon):
-    """engined with one tiny-llama replica (`tiny-0`) in /tmp/elXXXXXXXX (tests/driver.py's
+    """engined with one tiny-llama replica (`tiny-0`) in /tmp/elXXXXXXXX (testkit/driver.py's
     Daemon through bench.common.BenchDaemon: immediate restarts, 1 s heartbeats), started by
     exec (`launcher: exec`): its restart is a cold start, compared with the cold-start floor."""
 

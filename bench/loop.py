@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass, field
 
 import psutil
-from driver import free_port, is_engine_of
 
 from bench.common import (
     BenchError,
@@ -66,6 +65,7 @@ from bench.report import (
     table,
     title,
 )
+from testkit.driver import free_port, is_engine_of
 
 FLEET = 100
 KILL_EVERY_S = 0.5
@@ -426,7 +426,7 @@ def report(r: Report, phases: list[Phase], phase_s: float, fleet_start_s: float,
     if not any_warning:
         r("- none")
     r("", "## Method", "",
-      f"- engined: `python -m engined.supervisor.daemon -c SPEC` (tests/driver.py's Daemon via "
+      f"- engined: `python -m engined.supervisor.daemon -c SPEC` (testkit/driver.py's Daemon via "
       f"bench.common.BenchDaemon), {FLEET} `builtin:echo` replicas, 1 s heartbeats, immediate "
       "restarts (`backoff` 0 s, `start_limit.burst: 1000000`), `http: 127.0.0.1:<free port>`, "
       "runtime dir `/tmp/ebXXXXXXXX/rt`.",

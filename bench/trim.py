@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import openai
-from driver import free_port
 
 from bench.common import BenchDaemon, Cleanup, Tracker
 from bench.models import build_checkpoint
@@ -37,6 +36,7 @@ from bench.report import (
     table,
     title,
 )
+from testkit.driver import free_port
 
 MiB = 1 << 20
 ENGINES = ("trim", "notrim")

@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from driver import free_port, is_engine_of
 
 from bench.common import HEARTBEATS, BenchDaemon, BenchError, Cleanup, Tracker, wait_until
 from bench.models import build_checkpoint
@@ -67,6 +66,7 @@ from bench.report import (
     table,
     title,
 )
+from testkit.driver import free_port, is_engine_of
 
 GROUP = "tiny"  # the group's name: the model name the gateway serves it under
 PROMPT = "upgrade benchmark: the quick brown fox jumps over the lazy dog"

@@ -1,4 +1,4 @@
-"""Shared fixtures; the daemon driver itself is tests/driver.py (the benchmarks use it too).
+"""Shared fixtures; the daemon driver itself is testkit/driver.py (the benchmarks use it too).
 
 `engined(...)` starts a real daemon per test and, at teardown, stops it, requires a clean exit and
 fails the test if any engine process it ever spawned is still alive (killing such leftovers by
@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from driver import (
+
+from testkit.driver import (
     ORPHAN_GRACE_S,
     PYTHON,
     REPO_ROOT,

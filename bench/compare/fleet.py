@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import psutil
-from driver import free_port
 
 from bench.common import (
     ROOT,
@@ -31,6 +30,7 @@ from bench.core import Engined, Floor
 from bench.metrics import Scraper
 from bench.peers import Circus, Supervisord, peer_env
 from bench.report import Report, med, ms_auto, ms_range, ratio, table, times
+from testkit.driver import free_port
 
 FLEET = 100  # children in scenarios 3, 4 and 6
 HB_AGE_LIMIT_S = 2.0

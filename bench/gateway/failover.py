@@ -13,12 +13,12 @@ import signal
 from typing import Any
 
 import psutil
-from driver import is_engine_of
 
 from bench.common import BenchError, wait_until
 from bench.gateway.paths import GatewayDaemon
 from bench.metrics import Snapshots
 from bench.report import Report, table
+from testkit.driver import is_engine_of
 
 # Scenario 3 and 4: two echo replicas that take their time (20 ms per token).
 ECHO_TOKEN_MS = 20

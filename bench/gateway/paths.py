@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from driver import free_port
-
 from bench.common import (
     BenchDaemon,
     BenchError,
@@ -30,6 +28,7 @@ from bench.common import (
     expose_engine_package,
     terminate,
 )
+from testkit.driver import free_port
 
 MAX_TOKENS = 64
 CONCURRENCY = (1, 8)

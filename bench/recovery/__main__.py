@@ -17,7 +17,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import psutil
-from driver import VLLM_PYTHON_ENV
 
 from bench.common import HEARTBEATS, BenchError, Cleanup, Tracker
 from bench.models import build_checkpoint
@@ -41,6 +40,7 @@ from bench.report import (
     title,
 )
 from bench.vllm.engine import default_vllm_python, vllm_versions
+from testkit.driver import VLLM_PYTHON_ENV
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
-from driver import is_engine_of
 
 from bench.common import BenchError
 from bench.recovery.daemon import MB, POLL_S, SETTLE_S, STATUS_EVERY, Daemon, Generate
+from testkit.driver import is_engine_of
 
 
 @dataclass

@@ -69,7 +69,7 @@ def warm_vllm_imports(python: str) -> float:
 # --- the daemon -----------------------------------------------------------------------------------
 class Daemon(BenchDaemon):
     """engined with one group of 2 replicas of `backend`, every engine's `launcher:` pinned, in
-    /tmp/erXXXXXXXX (tests/driver.py's Daemon through bench.common.BenchDaemon: immediate
+    /tmp/erXXXXXXXX (testkit/driver.py's Daemon through bench.common.BenchDaemon: immediate
     restarts, 1 s heartbeats)."""
 
     log_lines = 30

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from driver import VLLM_PYTHON_ENV
-
 from bench.common import HEARTBEATS, Cleanup, Tracker, expose_engine_package
 from bench.models import build_checkpoint
 from bench.report import (
@@ -77,6 +75,7 @@ from bench.vllm.served_report import report_serve, report_serve_summary
 from bench.vllm.server import VllmServe
 from bench.vllm.serving import FULL, QUICK, Workload, serving_section
 from bench.vllm.serving_report import report_serving, report_serving_summary
+from testkit.driver import VLLM_PYTHON_ENV
 
 
 # --- the options --------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 daemon that supervises it, and the workload every section sends it.
 
 The vLLM interpreter: --vllm-python, else $ENGINED_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python
-(as the vLLM test tier finds it, tests/driver.py). bench.recovery runs the same engine.
+(as the vLLM test tier finds it, testkit/driver.py). bench.recovery runs the same engine.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from driver import DEFAULT_VLLM_PYTHON, VLLM_PYTHON_ENV, free_port
 
 from bench.common import ROOT, BenchDaemon, BenchError, Tracker, without_engined_vars
+from testkit.driver import DEFAULT_VLLM_PYTHON, VLLM_PYTHON_ENV, free_port
 
 MAX_TOKENS = (16, 64)  # the headline first; two values to fit cost per request and per token
 PROMPTS = [f"vllm benchmark prompt {i}: the quick brown fox" for i in range(8)]  # equal lengths
@@ -82,7 +82,7 @@ def serve_env() -> dict[str, str]:
 # --- the daemon -----------------------------------------------------------------------------------
 class BackendDaemon(BenchDaemon):
     """engined with one vLLM replica (`vllm-0`) in /tmp/evXXXXXXXX, the gateway and the HTTP
-    endpoint on free loopback ports (tests/driver.py's Daemon through bench.common.BenchDaemon:
+    endpoint on free loopback ports (testkit/driver.py's Daemon through bench.common.BenchDaemon:
     immediate restarts, 1 s heartbeats, 10 s heartbeat timeout)."""
 
     log_lines = 30

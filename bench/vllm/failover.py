@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from driver import process_gone
 
 from bench.common import BenchError, Tracker, wait_until
 from bench.report import Report, dist_row, table
@@ -31,6 +30,7 @@ from bench.vllm.server import (
     post_json,
     stream_in_flight,
 )
+from testkit.driver import process_gone
 
 
 # --- 2. crash → READY, and `vllm serve` -----------------------------------------------------------

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from driver import read_until, stream_lines
-
 from bench.common import (
     ROOT,
     BenchError,
@@ -42,6 +40,7 @@ from bench.vllm.engine import (
     engine_spec,
 )
 from bench.vllm.server import VllmServe
+from testkit.driver import read_until, stream_lines
 
 CONCURRENCY = (1, 8)
 OVERHEAD_TARGET_PCT = 5.0  # the target at 8 concurrent requests

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from driver import free_port
 
 from bench.common import BenchDaemon, BenchError, Cleanup, Tracker, wait_until
 from bench.vllm.engine import (
@@ -36,6 +35,7 @@ from bench.vllm.server import (
     post_json,
     stream_in_flight,
 )
+from testkit.driver import free_port
 
 SERVED = "served"  # the command engine's name, and its model name at the gateway
 SERVED_ENGINE = f"{SERVED}-0"

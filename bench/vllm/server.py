@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from driver import free_port
 
 from bench.common import BenchError, Tracker, terminate, wait_until
 from bench.vllm.engine import SERVE_ARGS, SERVE_MODULE, START_TIMEOUT_S, serve_env
+from testkit.driver import free_port
 
 FREEZE_MAX_TOKENS = 900  # the in-flight request of scenario 3 (prompt + 900 < max_model_len)
 FREEZE_AFTER_CHUNKS = 5  # SIGSTOP once this many streamed tokens have arrived

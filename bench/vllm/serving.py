@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from driver import free_port
 
 from bench.common import BenchDaemon, BenchError, Cleanup, Tracker
 from bench.report import cpu_busy_pct
 from bench.vllm.engine import GROUP, START_TIMEOUT_S, engine_spec, serve_env
 from bench.vllm.served import SERVED, served_spec
 from bench.vllm.server import VllmServe, post_json
+from testkit.driver import free_port
 
 CONCURRENCY = (8, 32)
 SEQS = max(CONCURRENCY)  # max_num_seqs of every target: the highest concurrency runs as a batch

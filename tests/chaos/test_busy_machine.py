@@ -10,7 +10,8 @@ import threading
 import time
 
 import pytest
-from driver import http_request
+
+from testkit.driver import http_request
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(600)]
 

@@ -16,9 +16,9 @@ import time
 
 import pytest
 import yaml
-from driver import PYTHON, REPO_ROOT, _clean_env, wait_engines_gone
 
 from chaos.procs import fleet_processes
+from testkit.driver import PYTHON, REPO_ROOT, _clean_env, wait_engines_gone
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,8 @@ import time
 
 import openai
 import pytest
-from driver import free_port
+
+from testkit.driver import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import psutil
 import pytest
-from driver import Daemon, http_request, leftover_engines
 
 from chaos.procs import fleet_processes
+from testkit.driver import Daemon, http_request, leftover_engines
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(1800)]
 

@@ -20,7 +20,15 @@ import subprocess
 import sys
 
 import pytest
-from driver import ORPHAN_GRACE_S, REPO_ROOT, Daemon, _clean_env, build_spec, wait_engines_gone
+
+from testkit.driver import (
+    ORPHAN_GRACE_S,
+    REPO_ROOT,
+    Daemon,
+    _clean_env,
+    build_spec,
+    wait_engines_gone,
+)
 
 OTHER_UID = 65534
 

@@ -1,5 +1,5 @@
 """A cluster gateway (`upstreams:`): engined's gateway with no engines of its own, in front of the
-engined gateways of other nodes. Each node is a real daemon whose engine is tests/commandserver.py
+engined gateways of other nodes. Each node is a real daemon whose engine is testkit/commandserver.py
 as an `openai: vllm` command engine: its next token is a function of the whole sequence, so a
 stream continued on another node from the token ids already delivered is an exact oracle.
 
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from clusternet import (
+
+from testkit.clusternet import (
     PROMPT,
     TOKENS,
     Cluster,
@@ -35,7 +36,7 @@ from clusternet import (
     netns_problem,
     served_by,
 )
-from driver import BackgroundStream, free_port
+from testkit.driver import BackgroundStream, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -1,5 +1,5 @@
 """Command engines: servers engined did not write, kept alive from outside (probes, progress,
-the whole process tree), driven through the real daemon. The server is tests/commandserver.py:
+the whole process tree), driven through the real daemon. The server is testkit/commandserver.py:
 a stdlib HTTP server whose tokens come from a separate core process, like vLLM's EngineCore."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from driver import PYTHON, REPO_ROOT, process_gone
 
-SERVER = str(REPO_ROOT / "tests" / "commandserver.py")
+from testkit.driver import PYTHON, REPO_ROOT, process_gone
+
+SERVER = str(REPO_ROOT / "testkit" / "commandserver.py")
 FAST_PROBE = {"interval": "200ms", "timeout": "300ms", "failures": 3}
 PROGRESS = {"busy": "fake:num_requests_running", "counter": "fake:generation_tokens"}
 

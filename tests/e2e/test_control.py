@@ -12,9 +12,9 @@ import subprocess
 
 import msgspec
 import zmq
-from driver import process_gone, read_until, stream_lines
 
 from engined.engine import protocol as proto
+from testkit.driver import process_gone, read_until, stream_lines
 
 ECHO2 = {"name": "echo", "replicas": 2, "model": "builtin:echo"}
 

@@ -7,7 +7,15 @@ import subprocess
 import sys
 
 import yaml
-from driver import REPO_ROOT, _clean_env, process_gone, read_until, stream_lines, wait_engines_gone
+
+from testkit.driver import (
+    REPO_ROOT,
+    _clean_env,
+    process_gone,
+    read_until,
+    stream_lines,
+    wait_engines_gone,
+)
 
 ECHO2 = {"name": "echo", "replicas": 2, "model": "builtin:echo"}
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from driver import ORPHAN_GRACE_S, free_port
+
+from testkit.driver import ORPHAN_GRACE_S, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,8 @@ import signal
 
 import psutil
 import pytest
-from driver import process_gone
+
+from testkit.driver import process_gone
 
 ECHO = {"name": "echo", "replicas": 2, "model": "builtin:echo", "backoff": {"initial": "0s"}}
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from driver import free_port, http_json
+
+from testkit.driver import free_port, http_json
 
 ECHO = {"name": "echo", "replicas": 2, "model": "builtin:echo",
         "env": {"ENGINED_ECHO_TOKEN_MS": "20"}}

@@ -3,7 +3,7 @@ official `openai` client: the upstream's model name is rewritten, and a request 
 dies moves to another replica: resent before its first token, continued mid-stream from the
 token ids already delivered (`openai: vllm`), an error event where the server gives no ids.
 
-The servers are tests/commandserver.py, whose next token is a function of the whole sequence,
+The servers are testkit/commandserver.py, whose next token is a function of the whole sequence,
 so a continued answer must equal the answer without a fault, character for character."""
 
 from __future__ import annotations
@@ -11,18 +11,16 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sys
 import threading
 
 import openai
 import psutil
 import pytest
-from driver import PYTHON, REPO_ROOT, http_json
 
-sys.path.insert(0, str(REPO_ROOT / "tests"))
-from commandserver import next_token  # noqa: E402
+from testkit.commandserver import next_token
+from testkit.driver import PYTHON, REPO_ROOT, http_json
 
-SERVER = str(REPO_ROOT / "tests" / "commandserver.py")
+SERVER = str(REPO_ROOT / "testkit" / "commandserver.py")
 PROGRESS = {"busy": "fake:num_requests_running", "counter": "fake:generation_tokens"}
 PROMPT = "a prompt for the fake server"
 

@@ -8,7 +8,7 @@ import json
 import select
 import time
 
-from driver import http_request
+from testkit.driver import http_request
 
 SLOW_ECHO = {"name": "echo", "replicas": 1, "model": "builtin:echo",
              "env": {"ENGINED_ECHO_TOKEN_MS": "100"}}

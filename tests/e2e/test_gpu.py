@@ -24,7 +24,8 @@ import openai
 import psutil
 import pytest
 import yaml
-from driver import PYTHON, Daemon, free_port
+
+from testkit.driver import PYTHON, Daemon, free_port
 
 pytestmark = pytest.mark.gpu
 READY_TIMEOUT_S = 180.0

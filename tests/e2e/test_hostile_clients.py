@@ -17,7 +17,8 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from driver import free_port
+
+from testkit.driver import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 FLOOD = 200

@@ -15,7 +15,8 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
-from driver import free_port
+
+from testkit.driver import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MiB = 1 << 20

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from driver import free_port
 from prometheus_client.parser import text_string_to_metric_families
+
+from testkit.driver import free_port
 
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
           "vllm:cache_config_info")

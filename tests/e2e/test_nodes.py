@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from driver import PYTHON, free_port
 
 from engined.supervisor.spec import SpecError, parse_fleet
+from testkit.driver import PYTHON, free_port
 
 pytestmark = pytest.mark.timeout(300)
 

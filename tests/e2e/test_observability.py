@@ -13,8 +13,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from driver import free_port
 from prometheus_client.parser import text_string_to_metric_families
+
+from testkit.driver import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,8 @@ import signal
 import subprocess
 
 import pytest
-from driver import (
+
+from testkit.driver import (
     ORPHAN_GRACE_S,
     PYTHON,
     Daemon,

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from driver import BackgroundStream, Daemon, build_spec, free_port
+
+from testkit.driver import BackgroundStream, Daemon, build_spec, free_port
 
 pytestmark = pytest.mark.timeout(600)
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]

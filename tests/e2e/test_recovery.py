@@ -15,8 +15,9 @@ import time
 
 import psutil
 import pytest
-from driver import PYTHON, REPO_ROOT, _clean_env, free_port, process_gone
-from handover_helpers import FLEET, Clients, identity, metric
+
+from testkit.driver import PYTHON, REPO_ROOT, _clean_env, free_port, process_gone
+from testkit.handover import FLEET, Clients, identity, metric
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,9 @@ import urllib.request
 
 import openai
 import pytest
-from driver import BackgroundStream, free_port
 from prometheus_client.parser import text_string_to_metric_families
+
+from testkit.driver import BackgroundStream, free_port
 
 pytestmark = pytest.mark.timeout(300)
 

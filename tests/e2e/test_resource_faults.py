@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from driver import Daemon
+
+from testkit.driver import Daemon
 
 ECHO2 = {"name": "echo", "replicas": 2, "model": "builtin:echo"}
 RECOVER_WITHIN_S = 20.0

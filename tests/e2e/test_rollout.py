@@ -11,7 +11,8 @@ import time
 
 import openai
 import yaml
-from driver import free_port
+
+from testkit.driver import free_port
 
 ECHO3 = {"name": "echo", "replicas": 3, "model": "builtin:echo",
          "env": {"ENGINED_ECHO_TOKEN_MS": "10", "ENGINED_ECHO_LOAD_S": "0.5"}}

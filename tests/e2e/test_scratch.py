@@ -13,7 +13,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from driver import PYTHON
+
+from testkit.driver import PYTHON
 
 # A command engine that reports its temporary directory and leaves a unix socket in it
 _REPORT = """

@@ -7,7 +7,8 @@ import os
 import signal
 
 import openai
-from driver import free_port, process_gone
+
+from testkit.driver import free_port, process_gone
 
 GROUP = {"name": "echo", "replicas": 2, "standby": 1, "model": "builtin:echo",
          "backoff": {"initial": "0s"}}

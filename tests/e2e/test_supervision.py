@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import psutil
-from cpuburn import burning
-from driver import process_gone
 
 from engined.supervisor.loopmonitor import TICK_S
+from testkit.cpuburn import burning
+from testkit.driver import process_gone
 
 ECHO = {"name": "echo", "replicas": 1, "model": "builtin:echo"}
 HEARTBEAT_TIMEOUT_S = 1.5  # the fixture's default

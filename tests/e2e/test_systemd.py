@@ -12,9 +12,10 @@ import threading
 import time
 from pathlib import Path
 
-import driver
 import pytest
 import yaml
+
+from testkit import driver
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,14 +24,15 @@ import aiohttp
 import openai
 import psutil
 import pytest
-from driver import (
+
+from testkit.driver import (
     Daemon,
     free_port,
     process_gone,
     running_daemon,
 )
-from logprob_cases import check_logprobs, check_tokenize
-from sampling_cases import check_sampling_fields
+from testkit.logprob_cases import check_logprobs, check_tokenize
+from testkit.sampling_cases import check_sampling_fields
 
 pytestmark = pytest.mark.slow
 

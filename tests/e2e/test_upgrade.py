@@ -12,8 +12,9 @@ import time
 
 import psutil
 import pytest
-from driver import free_port
-from handover_helpers import FLEET, Clients, identity, metric
+
+from testkit.driver import free_port
+from testkit.handover import FLEET, Clients, identity, metric
 
 pytestmark = pytest.mark.slow
 

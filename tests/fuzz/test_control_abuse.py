@@ -23,9 +23,10 @@ from typing import Any
 
 import psutil
 import pytest
-from driver import Daemon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from testkit.driver import Daemon
 
 ECHO2 = {"name": "echo", "replicas": 2, "model": "builtin:echo"}
 CLIENT_TIMEOUT_S = 10.0  # supervisor.control.CLIENT_TIMEOUT_S: slow clients are cut off after it

@@ -29,11 +29,11 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from driver import Daemon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engined.engine import protocol as proto
+from testkit.driver import Daemon
 
 ECHO2 = {"name": "echo", "replicas": 2, "model": "builtin:echo"}
 NAMES = ("echo-0", "echo-1")

@@ -27,12 +27,12 @@ from typing import Any
 
 import pytest
 import yaml
-from driver import PYTHON, REPO_ROOT, _clean_env
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engined.supervisor import daemon
 from engined.supervisor.spec import SpecError, load_fleet
+from testkit.driver import PYTHON, REPO_ROOT, _clean_env
 
 IN_PROCESS_STRUCTURED = 300
 IN_PROCESS_TEXT = 150

@@ -8,7 +8,8 @@ creates. Without it the tier skips, except under CI=true, where it fails.
 from __future__ import annotations
 
 import pytest
-from driver import vllm_python_or_skip
+
+from testkit.driver import vllm_python_or_skip
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
-from driver import REPO_ROOT
 
 from engined.supervisor.spec import parse_fleet
+from testkit.driver import REPO_ROOT
 
 EXAMPLES = REPO_ROOT / "etc" / "examples"
 

@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from driver import REPO_ROOT
+
+from testkit.driver import REPO_ROOT
 
 SUPERVISOR = {"heartbeat_interval": "0.2s", "heartbeat_timeout": "5s"}
 

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from driver import Daemon, free_port, running_daemon
 from test_vllm_engine import DEFAULTS, SUPERVISOR, vllm_engine
 from test_vllm_serve import READY_TIMEOUT_S, serve_engine
+
+from testkit.driver import Daemon, free_port, running_daemon
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2 * READY_TIMEOUT_S + 600)]
 

@@ -27,7 +27,8 @@ import aiohttp
 import psutil
 import pytest
 import yaml
-from driver import (
+
+from testkit.driver import (
     ORPHAN_GRACE_S,
     REPO_ROOT,
     Daemon,
@@ -36,8 +37,8 @@ from driver import (
     running_daemon,
     wait_engines_gone,
 )
-from logprob_cases import check_logprobs, check_tokenize
-from sampling_cases import check_sampling_fields
+from testkit.logprob_cases import check_logprobs, check_tokenize
+from testkit.sampling_cases import check_sampling_fields
 
 pytestmark = pytest.mark.vllm
 

@@ -19,8 +19,9 @@ from typing import Any
 import openai
 import pytest
 import yaml
-from driver import free_port, running_daemon
 from test_vllm_engine import DEFAULTS, READY_TIMEOUT_S, vllm_engine
+
+from testkit.driver import free_port, running_daemon
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 MiB = 1 << 20

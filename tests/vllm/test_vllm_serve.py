@@ -24,7 +24,8 @@ from typing import Any
 import openai
 import psutil
 import pytest
-from driver import Daemon, build_spec, free_port, http_json, process_gone
+
+from testkit.driver import Daemon, build_spec, free_port, http_json, process_gone
 
 READY_TIMEOUT_S = 240.0  # import, config, weights, KV cache, warm-up on a small CPU box
 # Every wait is bounded; this only catches what is not. A test that comes first pays for the

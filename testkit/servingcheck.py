@@ -1,6 +1,6 @@
 """What the vLLM benchmark's serving section (section 5: vLLM's own serving benchmark through the
 gateway and against `vllm serve`) must hold in its quick mode, checked on the report of the
-quick run of every section (tests/test_bench_vllm_quick.py): a row for every target at every
+quick run of every section (tests/bench/test_bench_vllm_quick.py): a row for every target at every
 concurrency, every request completed and none failed, every figure a number, and a verdict for
 each engined path. Nothing here asserts speed (benchmarks report, tests don't time), nor whether
 the target was met."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from benchreport import section, sections, tables
+from testkit.benchreport import section, sections, tables
 
 TARGETS = ("`vllm serve` alone", "engined gateway → `backend: vllm`",
            "engined gateway → `vllm serve` (command engine)")

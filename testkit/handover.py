@@ -11,9 +11,10 @@ from typing import Any
 
 import openai
 import psutil
-from driver import PYTHON, REPO_ROOT
 
-SERVER = str(REPO_ROOT / "tests" / "commandserver.py")
+from testkit.driver import PYTHON, REPO_ROOT
+
+SERVER = str(REPO_ROOT / "testkit" / "commandserver.py")
 SLOW = {"ENGINED_ECHO_TOKEN_MS": "15"}
 FLEET = [
     {"name": "echo", "replicas": 2, "standby": 1, "model": "builtin:echo", "env": SLOW},

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from benchreport import run_quick, tables
+
+from testkit.benchreport import run_quick, tables
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(900)]
 

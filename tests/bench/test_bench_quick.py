@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(1200)]
 TIMEOUT_S = 900  # a bound, not a timing assertion: the quick run takes ~2-3 min
 

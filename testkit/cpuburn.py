@@ -4,7 +4,7 @@
 block ends; each also ends itself after `max_s`, so a burner can never outlive a crashed test by
 long. From a shell (for running any test on a loaded box):
 
-    python tests/cpuburn.py N MAX_S     # prints the burners' pids, waits, kills them by pid
+    python testkit/cpuburn.py N MAX_S     # prints the burners' pids, waits, kills them by pid
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from benchreport import section, sections, tables
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from testkit.benchreport import section, sections, tables
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(1200)]
 TIMEOUT_S = 900  # a bound, not a timing assertion
 

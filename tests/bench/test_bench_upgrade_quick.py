@@ -16,7 +16,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from benchreport import run_quick, section, sections, tables
+
+from testkit.benchreport import run_quick, section, sections, tables
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(900)]
 TIMEOUT_S = 600  # a bound, not a timing assertion: the quick run takes well under a minute

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from benchreport import run_quick, tables
+
+from testkit.benchreport import run_quick, tables
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(900)]
 ROWS = ("once loaded", "after the first burst", "after the last burst", "largest after a burst")

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from benchreport import run_quick, section, sections, tables
-from clusternet import netns_problem
+
+from testkit.benchreport import run_quick, section, sections, tables
+from testkit.clusternet import netns_problem
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(900)]
 TIMEOUT_S = 600  # a bound, not a timing assertion

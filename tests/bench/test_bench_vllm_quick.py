@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from benchreport import run_quick_vllm_bench, section, sections, tables
-from driver import vllm_python_or_skip
-from servingcheck import check_serving
+
+from testkit.benchreport import run_quick_vllm_bench, section, sections, tables
+from testkit.driver import vllm_python_or_skip
+from testkit.servingcheck import check_serving
 
 pytestmark = [pytest.mark.bench, pytest.mark.vllm, pytest.mark.timeout(1600)]
 TIMEOUT_S = 1500  # a bound, not a timing assertion: the quick run takes ~10 min idle, twice
@@ -76,7 +77,7 @@ def test_vllm_quick_produces_every_table(tmp_path: Path, vllm_python: str) -> No
     text = run_quick_vllm_bench(tmp_path / "vllm.md", vllm_python, TIMEOUT_S,
                                 "--only", "backend,serving")
     check_report(text)
-    check_serving(text)  # section 5, vLLM's serving benchmark (tests/servingcheck.py)
+    check_serving(text)  # section 5, vLLM's serving benchmark (testkit/servingcheck.py)
 
 
 def check_report(text: str) -> None:

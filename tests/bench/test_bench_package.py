@@ -1,8 +1,8 @@
 """bench/ stays a package one can read (module and class sizes and import cycles are checked with
-engined's packages, tests/unit/test_layout.py): the daemon driver under one import name
-(`driver`, never `tests.driver`), engined's supervisor internals imported in bench/common.py
-only, and every documented entry point answers --help. Static checks and short subprocesses:
-nothing runs a benchmark (the quick runs are the `bench` marker's, tests/test_bench_*_quick.py).
+engined's packages, tests/unit/test_layout.py): the daemon driver is testkit's, loaded once;
+engined's supervisor internals are imported in bench/common.py only; every documented entry
+point answers --help. Static checks and short subprocesses: nothing runs a benchmark (the quick
+runs are the `bench` marker's, tests/bench/test_bench_*_quick.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH = REPO_ROOT / "bench"
 # every `python -m bench.NAME` that the READMEs, .ci/run and the tests name, with --help
 ENTRY_POINTS = ("core", "compare", "gateway", "llm", "loop", "recovery", "upgrade", "vllm")
@@ -37,25 +37,26 @@ def test_driver_and_supervisor_imports() -> None:
             module = (node.module if isinstance(node, ast.ImportFrom)
                       else node.names[0].name if isinstance(node, ast.Import) else "") or ""
             if module == "tests" or module.startswith("tests."):
-                wrong.append(f"{name} imports {module}: the driver's name is `driver`")
+                wrong.append(f"{name} imports {module}: the harness is `testkit`, not the tests")
             if module.startswith("engined.supervisor") and name != "bench.common":
                 wrong.append(f"{name} imports {module}: take it from bench.common")
     assert not wrong, wrong
 
 
 def test_every_module_imports_with_one_driver() -> None:
-    """Every bench module imported in one process: tests/driver.py is loaded once, as `driver`."""
+    """Every bench module imported in one process: testkit/driver.py is loaded once, as
+    `testkit.driver`."""
     names = [n for n in modules() if not n.endswith("__main__")
              and n not in ("bench.floor", "bench.vllm_direct")]  # stdlib-only children
     code = ("import importlib, sys\n"
             f"for name in {names!r}:\n"
             "    importlib.import_module(name)\n"
             "print(sorted(n for n, m in sys.modules.items()\n"
-            "             if (getattr(m, '__file__', None) or '').endswith('tests/driver.py')))")
+            "             if (getattr(m, '__file__', None) or '').endswith('testkit/driver.py')))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "['driver']", done.stdout
+    assert done.stdout.strip() == "['testkit.driver']", done.stdout
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)

@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 
 import pytest
-from benchreport import run_quick, tables
+
+from testkit.benchreport import run_quick, tables
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(900)]
 

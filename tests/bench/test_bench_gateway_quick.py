@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 
 import pytest
-from benchreport import run_quick
+
+from testkit.benchreport import run_quick
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(900)]
 TIMEOUT_S = 600  # a bound, not a timing assertion: the quick run takes ~1.5 min

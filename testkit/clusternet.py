@@ -1,5 +1,5 @@
 """The cluster gateway's test hosts (tests/e2e/test_cluster.py, bench/cluster.py): node daemons
-whose engine is tests/commandserver.py as an `openai: vllm` command engine (its next token is a
+whose engine is testkit/commandserver.py as an `openai: vllm` command engine (its next token is a
 function of the whole sequence: an exact oracle for a stream continued on another node), the
 cluster gateway's daemon, and real separate hosts in network namespaces."""
 
@@ -10,19 +10,17 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import openai
-from driver import PYTHON, REPO_ROOT, BackgroundStream, Daemon, build_spec
 
-sys.path.insert(0, str(REPO_ROOT / "tests"))
-from commandserver import next_token  # noqa: E402
+from testkit.commandserver import next_token
+from testkit.driver import PYTHON, REPO_ROOT, BackgroundStream, Daemon, build_spec
 
-SERVER = str(REPO_ROOT / "tests" / "commandserver.py")
+SERVER = str(REPO_ROOT / "testkit" / "commandserver.py")
 PROMPT = "a prompt that crosses nodes"
 TOKENS = 160
 TICK = "0.03"  # seconds per token: a stream runs ~5 s, long enough to lose its node mid-way
