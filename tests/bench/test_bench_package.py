@@ -18,7 +18,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH = REPO_ROOT / "bench"
 # every `python -m bench.NAME` that the READMEs, .ci/run and the tests name, with --help
-ENTRY_POINTS = ("core", "compare", "gateway", "llm", "loop", "recovery", "upgrade", "vllm")
+ENTRY_POINTS = ("core", "compare", "gateway", "llm", "recovery", "upgrade", "vllm")
 
 
 def modules() -> dict[str, Path]:
