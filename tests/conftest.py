@@ -31,6 +31,21 @@ from testkit.driver import (
 )
 
 SEED_ENV = "ENGINED_TEST_SEED"
+TESTS = Path(__file__).resolve().parent
+# The end-to-end folders (a real daemon, driven as a user would): a test there is the `e2e`
+# tier, run by .ci/run, unless it is one of the default run's smoke tests (`smoke`: one or a few
+# per feature) or belongs to a tier of its own.
+E2E_FOLDERS = ("e2e", "chaos", "fuzz")
+OWN_TIERS = ("smoke", "slow", "soak", "bench", "vllm", "gpu")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if (item.path.relative_to(TESTS).parts[0] in E2E_FOLDERS
+                and not any(item.get_closest_marker(tier) for tier in OWN_TIERS)):
+            item.add_marker(pytest.mark.e2e)
+
 
 # --- fixtures ---------------------------------------------------------------------------------
 
@@ -60,19 +75,20 @@ def short_tmp() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture
-def engined(short_tmp: Path) -> Iterator[Callable[..., Daemon]]:
-    """Factory: engined(engines=[...], supervisor={...}, defaults={...}, ready=True, env={...})
-    -> Daemon (`env`: changes to the daemon's environment, as `Daemon` takes them)."""
+@contextlib.contextmanager
+def _daemons(root: Path) -> Iterator[Callable[..., Daemon]]:
+    """A factory of real daemons under `root`; on the way out each is stopped (a clean exit
+    required) and no engine process it ever spawned may outlive it (leftovers are killed by
+    pid and fail the test)."""
     daemons: list[Daemon] = []
 
     def start(engines: list[dict[str, Any]] | None = None,
               supervisor: dict[str, Any] | None = None,
               defaults: dict[str, Any] | None = None, ready: bool = True,
               env: dict[str, str | None] | None = None) -> Daemon:
-        root = short_tmp / f"d{len(daemons)}"
-        root.mkdir()
-        daemon = Daemon(root, build_spec(root, engines, supervisor, defaults), env)
+        home = root / f"d{len(daemons)}"
+        home.mkdir()
+        daemon = Daemon(home, build_spec(home, engines, supervisor, defaults), env)
         daemons.append(daemon)
         daemon.start()
         if ready:
@@ -80,30 +96,54 @@ def engined(short_tmp: Path) -> Iterator[Callable[..., Daemon]]:
         return daemon
 
     yield start
-
-    problems = []
-    for daemon in daemons:
-        try:
-            if daemon.alive():
-                daemon.spawned_pids()  # note the pids while the daemon can still say
-                with contextlib.suppress(Exception):
-                    daemon.status()
-            was_running = daemon.alive()
-            code = daemon.stop()
-            if was_running and code != 0 and not daemon.expect_unclean_exit:
-                problems.append(f"engined pid {daemon.pid} did not exit cleanly on SIGTERM "
-                                f"(exit {code})")
-            if daemon.proc is not None:
-                alive = wait_engines_gone(daemon.spawned_pids() | daemon.server_pids, daemon.pid,
-                                          ORPHAN_GRACE_S)
-                for pid in alive:
-                    with contextlib.suppress(Exception):
-                        os.kill(pid, signal.SIGKILL)
-                if alive:
-                    problems.append(f"engine processes outlived engined pid {daemon.pid}: {alive}")
-        finally:
-            daemon.dump()
+    problems = [problem for daemon in daemons for problem in _stop_and_check(daemon)]
     assert not problems, "; ".join(problems)
+
+
+def _stop_and_check(daemon: Daemon) -> list[str]:
+    problems = []
+    try:
+        if daemon.alive():
+            daemon.spawned_pids()  # note the pids while the daemon can still say
+            with contextlib.suppress(Exception):
+                daemon.status()
+        was_running = daemon.alive()
+        code = daemon.stop()
+        if was_running and code != 0 and not daemon.expect_unclean_exit:
+            problems.append(f"engined pid {daemon.pid} did not exit cleanly on SIGTERM "
+                            f"(exit {code})")
+        if daemon.proc is not None:
+            alive = wait_engines_gone(daemon.spawned_pids() | daemon.server_pids, daemon.pid,
+                                      ORPHAN_GRACE_S)
+            for pid in alive:
+                with contextlib.suppress(Exception):
+                    os.kill(pid, signal.SIGKILL)
+            if alive:
+                problems.append(f"engine processes outlived engined pid {daemon.pid}: {alive}")
+    finally:
+        daemon.dump()
+    return problems
+
+
+@pytest.fixture
+def engined(short_tmp: Path) -> Iterator[Callable[..., Daemon]]:
+    """Factory: engined(engines=[...], supervisor={...}, defaults={...}, ready=True, env={...})
+    -> Daemon (`env`: changes to the daemon's environment, as `Daemon` takes them)."""
+    with _daemons(short_tmp) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def module_engined() -> Iterator[Callable[..., Daemon]]:
+    """`engined`'s factory for a daemon that a module's read-only tests share (built by a
+    module-scoped fixture of that module; its tests carry one `xdist_group`, so that they run
+    in one worker, which starts the daemon once)."""
+    root = Path(tempfile.mkdtemp(prefix="em", dir="/tmp"))
+    try:
+        with _daemons(root) as start:
+            yield start
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 

@@ -65,6 +65,7 @@ def as_other_uid(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60)
 
 
+@pytest.mark.smoke
 def test_socket_is_0600_in_a_0700_runtime_dir_and_other_uids_cannot_reach_it(engined):
     d = engined([{"name": "echo", "replicas": 1, "model": "builtin:echo"}])
     sock_mode = os.stat(d.socket).st_mode

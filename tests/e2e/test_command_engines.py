@@ -44,6 +44,7 @@ def read_pid(directory: Path, name: str, d) -> int:
     return int(path.read_text())
 
 
+@pytest.mark.smoke
 def test_ready_after_a_slow_start_on_its_port_with_its_environment(engined, short_tmp):
     d = engined([server("web", "--start-delay", "1", replicas=2,
                         env={"FLAVOUR": "plain"})], ready=False)
@@ -89,6 +90,7 @@ def test_never_ready_is_a_startup_timeout(engined):
     assert d.engine("web-0")["last_exit"]["reason"] == "startup_timeout"
 
 
+@pytest.mark.smoke
 def test_a_frozen_server_fails_its_probes_and_is_restarted_as_hung(engined):
     d = engined([server("web")])
     old = d.engine("web-0")["pid"]

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import yaml
 
 BAD = {"name": "bad", "model": "builtin:echo", "env": {"ENGINED_ECHO_FAIL": "config"}}
 
+@pytest.mark.smoke
 def test_engine_output_on_stdout_and_a_failed_engine_ends_engined(engined):
     d = engined([{"name": "good", "model": "builtin:echo"}],
                 supervisor={"engine_logs": "stdout", "exit_on_failed": True})

@@ -11,6 +11,7 @@ import socket
 import subprocess
 
 import msgspec
+import pytest
 import zmq
 
 from engined.engine import protocol as proto
@@ -26,6 +27,7 @@ def _pids(d) -> dict[str, int]:
 # --- stop / start / restart -------------------------------------------------------------------
 
 
+@pytest.mark.smoke
 def test_stop_start_restart_through_enginectl(engined):
     d = engined([ECHO2])
     first = _pids(d)
@@ -119,6 +121,7 @@ def _assert_json_error(d, method: str, path: str, body: bytes | None = None,
     assert isinstance(data, dict) and isinstance(data.get("error"), str) and data["error"], data
 
 
+@pytest.mark.smoke
 def test_bad_control_requests_leave_the_fleet_alone(engined):
     d = engined([ECHO2])
     before = d.engines()

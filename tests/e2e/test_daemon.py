@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from testkit.driver import (
@@ -26,6 +27,7 @@ def _run_daemon(*args: str, timeout_s: float = 30) -> subprocess.CompletedProces
                           text=True, timeout=timeout_s)
 
 
+@pytest.mark.smoke
 def test_sigterm_stops_every_engine_with_cleanup(engined):
     d = engined([ECHO2])
     engines = d.engines()
@@ -84,6 +86,7 @@ def test_second_sigterm_kills_a_slow_stop_at_once(engined):
             gen.wait()
 
 
+@pytest.mark.smoke
 def test_sigkill_of_the_daemon_leaves_no_engine_behind(engined):
     """With `orphan_timeout: 0` engines die with engined (tests/e2e/test_recovery.py: adopted
     by the next one otherwise)."""
@@ -113,6 +116,7 @@ def test_second_daemon_on_the_same_runtime_dir_exits_1(engined):
     assert d.ctl("generate", "--engine", "echo-0", "mine").stdout.strip() == "mine"
 
 
+@pytest.mark.smoke
 def test_invalid_spec_exits_78_naming_the_key(short_tmp):
     spec = {"version": 1, "supervisor": {"http": "off", "runtime_dir": str(short_tmp / "rt")},
             "engines": [{"name": "echo", "replicas": 0, "model": "builtin:echo"}]}

@@ -31,6 +31,7 @@ def generate(d, name: str) -> str:
     return done.stdout
 
 
+@pytest.mark.smoke
 def test_engines_are_forked_children_of_the_daemon_and_restart_through_the_server(engined):
     d = engined([ECHO])
     server = ready_server(d)

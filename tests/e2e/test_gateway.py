@@ -36,6 +36,7 @@ def gateway(engined):
     return start
 
 
+@pytest.mark.smoke
 def test_models_completions_and_chat_streamed_and_not(gateway):
     d, client = gateway([ECHO, {"name": "other", "model": "builtin:echo",
                                 "served_model_name": "other-model"}])
@@ -74,6 +75,7 @@ def test_models_completions_and_chat_streamed_and_not(gateway):
     assert kept.choices[0].text == "the quick brown"
 
 
+@pytest.mark.smoke
 def test_errors_are_openai_shaped(gateway):
     d, client = gateway()
     with pytest.raises(openai.NotFoundError) as err:

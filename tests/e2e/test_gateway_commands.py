@@ -62,6 +62,7 @@ def serving(d) -> str:
     return d.wait_for(find, 15, "one replica running the request")
 
 
+@pytest.mark.smoke
 def test_completions_chat_and_models_through_a_command_engine(gateway):
     d, client = gateway(fleet())
     assert [m.id for m in client.models.list()] == ["fake"]

@@ -8,6 +8,8 @@ import json
 import select
 import time
 
+import pytest
+
 from testkit.driver import http_request
 
 SLOW_ECHO = {"name": "echo", "replicas": 1, "model": "builtin:echo",
@@ -51,6 +53,7 @@ def test_enginectl_stream_prints_tokens_as_they_come(engined):
     assert arrivals[-1][0] - arrivals[0][0] > 0.3, arrivals
 
 
+@pytest.mark.smoke
 def test_ndjson_stream_stop_strings_chat_and_usage(engined):
     d = engined([{**SLOW_ECHO, "env": {"ENGINED_ECHO_TOKEN_MS": "5"}}])
     code, raw = _post(d, {"prompt": "hello world, bye", "max_tokens": 64, "stream": True,

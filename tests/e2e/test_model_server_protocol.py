@@ -33,6 +33,7 @@ def _scrape(port: int) -> dict[str, dict[str, float]]:
     return out
 
 
+@pytest.mark.smoke
 def test_the_gateway_port_serves_the_model_server_protocol(engined, short_tmp: Path,
                                                            tiny_cache: Path):
     key = short_tmp / "key"

@@ -39,6 +39,7 @@ def _certificate(where: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+@pytest.mark.smoke
 def test_enginectl_across_nodes(engined, short_tmp: Path):
     token = short_tmp / "token"
     token.write_text("s3cret-token\n")

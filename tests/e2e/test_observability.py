@@ -63,6 +63,7 @@ def http_fleet(engined):
     return daemon
 
 
+@pytest.mark.smoke
 def test_every_design_metric_is_exposed_with_its_labels(http_fleet):
     samples = _samples(http_fleet.port)
     names = {name for name, _ in samples}
@@ -89,6 +90,7 @@ def test_every_design_metric_is_exposed_with_its_labels(http_fleet):
     assert gpu_driver or "engined_gpu_memory_total_bytes" not in names
 
 
+@pytest.mark.smoke
 def test_promtool_check_metrics_is_clean_on_a_live_scrape(http_fleet):
     promtool = _need("promtool")
     assert http_fleet.ctl("generate", "hello").returncode == 0  # request counters have samples
@@ -99,6 +101,7 @@ def test_promtool_check_metrics_is_clean_on_a_live_scrape(http_fleet):
         check.stdout + check.stderr).decode()
 
 
+@pytest.mark.smoke
 def test_promtool_rules_check_and_unit_tests():
     promtool = _need("promtool")
     rules = REPO / "etc/examples/engined-alerts.yml"
@@ -113,6 +116,7 @@ def test_promtool_rules_check_and_unit_tests():
     assert config.returncode == 0, config.stdout + config.stderr
 
 
+@pytest.mark.smoke
 def test_grafana_dashboard_covers_the_operator_views():
     dashboard = json.loads((REPO / "etc/examples/grafana-dashboard.json").read_text())
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])

@@ -24,6 +24,7 @@ from testkit.driver import (
 ECHO = {"name": "echo", "replicas": 2, "model": "builtin:echo", "backoff": {"initial": "0s"}}
 
 
+@pytest.mark.smoke
 def test_events_follow_streams_transitions_as_json_lines(engined):
     d = engined([ECHO])
     recent = d.ctl("events", "-n", "10")

@@ -10,6 +10,7 @@ import threading
 import time
 
 import openai
+import pytest
 import yaml
 
 from testkit.driver import free_port
@@ -66,6 +67,7 @@ def _watch_ready(d, until: threading.Event, samples: list[int]) -> threading.Thr
     return thread
 
 
+@pytest.mark.smoke
 def test_a_group_restart_rolls_one_replica_at_a_time_under_load(engined):
     port = free_port()
     d = engined([ECHO3], supervisor={"gateway": f"127.0.0.1:{port}"})

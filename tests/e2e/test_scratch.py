@@ -41,6 +41,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.smoke
 def test_each_incarnation_has_its_own_tmpdir_removed_when_it_is_gone(engined, short_tmp):
     tmp, out, own = short_tmp / "t", short_tmp / "out", short_tmp / "own"
     for path in (tmp, out, own):

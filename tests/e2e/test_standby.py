@@ -7,6 +7,7 @@ import os
 import signal
 
 import openai
+import pytest
 
 from testkit.driver import free_port, process_gone
 
@@ -15,6 +16,7 @@ GROUP = {"name": "echo", "replicas": 2, "standby": 1, "model": "builtin:echo",
 TEXT = "the quick brown fox jumps over the lazy dog"
 
 
+@pytest.mark.smoke
 def test_a_standby_takes_over_a_sigkilled_replica_under_its_name(engined):
     d = engined([GROUP])
     engines = d.engines()
@@ -93,6 +95,7 @@ def test_with_the_gateway_a_stream_on_a_killed_replica_loses_nothing(engined):
     assert done.choices[0].text == "after"
 
 
+@pytest.mark.smoke
 def test_spec_rules_for_standbys(tmp_path):
     from engined.supervisor.spec import SpecError, load_fleet
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from engined.supervisor.loopmonitor import TICK_S
 from testkit.cpuburn import burning
@@ -32,6 +33,7 @@ def _table(stdout: str) -> dict[str, list[str]]:
     return {cols[0]: cols for cols in (line.split() for line in lines[1:] if line.strip())}
 
 
+@pytest.mark.smoke
 def test_fleet_ready_status_and_generate(engined):
     d = engined([{**ECHO, "replicas": 2}])
 
@@ -93,6 +95,7 @@ def test_fleet_ready_status_and_generate(engined):
     assert d.ctl("status").returncode == 0
 
 
+@pytest.mark.smoke
 def test_sigkill_child_is_restarted_with_new_pid(engined):
     d = engined([ECHO])
     old = d.engine("echo-0")
@@ -124,6 +127,7 @@ def test_external_sigterm_child_exits_143_after_cleanup(engined):
     assert any("[cleanup]" in line for line in last["log_tail"]), last["log_tail"]
 
 
+@pytest.mark.smoke
 def test_sigstop_is_declared_hung_killed_and_restarted(engined):
     d = engined([ECHO])
     d.wait_state("echo-0", "READY", where=lambda e: e["heartbeat_age_s"] is not None)
@@ -153,6 +157,7 @@ def test_sigstop_is_declared_hung_killed_and_restarted(engined):
     assert new["restarts"] == 1
 
 
+@pytest.mark.smoke
 def test_stall_is_detected_and_the_request_fails(engined):
     d = engined([ECHO], defaults={"stall_timeout": "1s"})
     old = d.engine("echo-0")
@@ -175,11 +180,14 @@ def test_stall_is_detected_and_the_request_fails(engined):
     assert d.ctl("generate", "--engine", "echo-0", "after").stdout.strip() == "after"
 
 
+@pytest.mark.slow  # waits out the 15 s floor, pinned exactly on the jumping clock
 def test_a_loop_that_stops_while_idle_is_a_stall(engined):
     """`!wedge` (fault injection): the request is answered, then the busy loop stops while the
     engine is idle; its heartbeat thread goes on. The idle loop's own stamp stops moving, and
     after max(stall_timeout, 15 s) the engine is restarted as stalled, with no request needed
-    to find it."""
+    to find it. The verdict's moment is tests/lifecycle/test_replica.py's (the 15 s floor on
+    the jumping clock), the engine's side tests/process/test_engine_child.py's; this is the
+    whole path, once, in the slow tier."""
     d = engined([ECHO], defaults={"stall_timeout": "1s"}, supervisor={"heartbeat_interval": "0.2s"})
     old = d.engine("echo-0")
     assert d.ctl("generate", "--engine", "echo-0", "!wedge").returncode == 0

@@ -81,6 +81,7 @@ def _wait(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.smoke
 def test_notify_over_a_path_socket(notify_daemon, short_tmp):
     daemon, notify = notify_daemon(str(short_tmp / "notify.sock"), engines=[
         {"name": "echo", "replicas": 2, "model": "builtin:echo"}])
@@ -154,6 +155,7 @@ def test_notify_over_an_abstract_socket(notify_daemon):
     _wait(lambda: notify.having("STOPPING=1"), 5, "STOPPING=1")
 
 
+@pytest.mark.smoke
 def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
@@ -182,6 +184,7 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     assert "\nPrivateDevices=" not in unit  # it would hide /dev/nvidia*
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("example", sorted((REPO / "etc").rglob("*.yaml")), ids=lambda p: p.name)
 def test_example_fleets_pass_check(example):
     """Every shipped spec is valid. One whose interpreter or server program is not on this
@@ -237,6 +240,7 @@ A = {"name": "a", "replicas": 2, "model": "builtin:echo"}
 B = {"name": "b", "model": "builtin:echo"}
 
 
+@pytest.mark.smoke
 def test_reload_applies_only_the_difference(engined):
     daemon = engined(engines=[A, B])
     start = _pids(daemon)

@@ -239,6 +239,7 @@ BAD_LIFECYCLE = {
 }
 
 
+@pytest.mark.smoke
 def test_malformed_http_gets_4xx_or_a_closed_connection(engined):
     d = engined([ECHO2])
     before = _identity(d)
@@ -492,6 +493,7 @@ def http_requests(draw: st.DrawFn) -> bytes:
     return raw + b"\r\n" + body
 
 
+@pytest.mark.smoke
 def test_random_requests_never_get_a_5xx(engined):
     d = engined([ECHO2])
     before = _identity(d)

@@ -228,6 +228,7 @@ def _is_goodbye(parts: list[bytes]) -> bool:
         return False
 
 
+@pytest.mark.smoke
 def test_every_message_type_from_stale_and_unknown_engines(engined):
     """A deterministic sweep: each control message type, for a stale incarnation, a future one and
     an unknown engine; every truncation of a valid heartbeat; request-channel types."""

@@ -99,6 +99,7 @@ def _shipped_specs() -> list[dict[str, Any]]:
 BASES = [EVERY_KEY, *_shipped_specs()]
 
 
+@pytest.mark.smoke
 def test_starting_points_are_valid(tmp_path: Path) -> None:
     """Mutations must start from specs that pass, or the fuzzing only ever tests rejection."""
     for i, base in enumerate(BASES):
@@ -351,12 +352,14 @@ def test_structured_mutations(case_dir: Path, data: bytes) -> None:
     event(_run(case_dir, data))
 
 
+@pytest.mark.smoke
 @settings(FUZZ, max_examples=IN_PROCESS_TEXT)
 @given(text_mutated_specs())
 def test_text_mutations_and_yaml_oddities(case_dir: Path, data: bytes) -> None:
     event(_run(case_dir, data))
 
 
+@pytest.mark.smoke
 @settings(FUZZ, max_examples=IN_PROCESS_BYTES)
 @given(RANDOM_BYTES)
 def test_random_bytes(case_dir: Path, data: bytes) -> None:

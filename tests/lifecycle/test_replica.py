@@ -205,14 +205,19 @@ def test_hang_is_declared_exactly_heartbeat_timeout_after_the_last_heartbeat(tmp
     scenario(tmp_path, [{"name": "a"}], body)
 
 
-@pytest.mark.parametrize("busy, frozen, killed_after_s", [
-    (True, True, 60.0),  # work queued, the loop stopped: a stall after stall_timeout
+@pytest.mark.parametrize("busy, frozen, stall_timeout_s, killed_after_s", [
+    (True, True, 60.0, 60.0),  # work queued, the loop stopped: a stall after stall_timeout
+    (True, True, 1.0, 1.0),  # ... however short stall_timeout is
     # an idle engine's loop that stopped coming round (it wakes every 0.5 s): a stall after
-    # max(stall_timeout, 15 s)
-    (False, True, 60.0),
-    (True, False, None),  # busy and progressing
+    # max(stall_timeout, 15 s): the floor when stall_timeout is shorter (the documented 15 s;
+    # the engine side of it, heartbeats going on while the idle loop's stamp stops, is
+    # tests/process/test_engine_child.py's, the whole wait end to end the slow tier's)
+    (False, True, 60.0, 60.0),
+    (False, True, 1.0, 15.0),
+    (True, False, 60.0, None),  # busy and progressing
 ])
-def test_stall_needs_work_queued_and_no_loop_progress(tmp_path, busy, frozen, killed_after_s):
+def test_stall_needs_work_queued_and_no_loop_progress(tmp_path, busy, frozen, stall_timeout_s,
+                                                      killed_after_s):
     async def body(w: World) -> None:
         await w.start("a-0")
         frozen_at = w.clock.monotonic()
@@ -228,7 +233,7 @@ def test_stall_needs_work_queued_and_no_loop_progress(tmp_path, busy, frozen, ki
             await w.settle()
             assert w.replica("a-0").view().last_exit.reason == "stall"
 
-    scenario(tmp_path, [{"name": "a", "stall_timeout": "60s"}], body)
+    scenario(tmp_path, [{"name": "a", "stall_timeout": f"{stall_timeout_s:g}s"}], body)
 
 
 def test_startup_timeout_bounds_spawn_to_ready(tmp_path):

@@ -133,3 +133,39 @@ def test_loop_progress_is_stamped_from_ready_not_from_the_build(channels: Channe
     assert min(b.last_iteration_at for b in beats) >= began + load_s, (began, beats)
     os.kill(proc.pid, signal.SIGTERM)
     assert exit_of(proc, 30)[0] == 128 + signal.SIGTERM
+
+
+def _heartbeats(channels: Channels, count: int, timeout_s: float = 30.0) -> list[proto.Heartbeat]:
+    beats: list[proto.Heartbeat] = []
+    deadline = time.monotonic() + timeout_s
+    while len(beats) < count:
+        msg = channels.next_control(max(0.01, deadline - time.monotonic()))
+        if isinstance(msg, proto.Heartbeat):
+            beats.append(msg)
+    return beats
+
+
+def test_an_idle_loop_stamps_its_progress_and_a_wedged_one_stops_while_heartbeats_go_on(
+        channels: Channels, tiny_cache: Path, children):
+    """The engine side of the idle-loop stall (the daemon's verdict at max(stall_timeout, 15 s)
+    is pinned on the jumping clock, tests/lifecycle/test_replica.py; the whole wait end to end
+    is the slow tier's): an idle busy loop comes round every 0.5 s and its heartbeats say so;
+    once `!wedge` stops it while idle, the heartbeats (a thread of their own) go on, idle, with
+    the stamp of the loop's last round."""
+    proc = spawn_engine(channels, tiny_cache, "builtin:echo")
+    children.append(proc)
+    identity, _ = channels.wait_ready(60)
+    idle = _heartbeats(channels, 8)  # 1.6 s at 0.2 s: the 0.5 s idle rounds show
+    assert len({b.last_iteration_at for b in idle}) >= 2, idle
+    assert all(b.running == 0 and b.waiting == 0 for b in idle), idle
+
+    wedge = proto.GenerateRequest("w", "!wedge", sampling=proto.Sampling(max_tokens=2))
+    channels.requests.send_multipart([identity, proto.encode(wedge)])
+    assert channels.requests.poll(30_000), "the !wedge request was not answered"
+    _heartbeats(channels, 3)  # past the request's last step
+    after = _heartbeats(channels, 10)  # 2 s: four idle rounds, had the loop gone on
+    assert len({b.last_iteration_at for b in after}) == 1, after
+    assert all(b.running == 0 and b.waiting == 0 for b in after), after
+    assert after[-1].iteration == after[0].iteration, after
+    os.kill(proc.pid, signal.SIGTERM)
+    assert exit_of(proc, 30)[0] == 128 + signal.SIGTERM
