@@ -8,6 +8,7 @@ pid).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import random
 import shutil
@@ -148,9 +149,21 @@ def module_engined() -> Iterator[Callable[..., Daemon]]:
 
 
 @pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A session-wide ENGINED_CACHE_DIR with the tiny-llama checkpoint built once, up front."""
-    cache = tmp_path_factory.mktemp("engined-cache")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """A session-wide ENGINED_CACHE_DIR with the tiny-llama checkpoint built once, up front, and
+    shared by the session's pytest-xdist workers (the first builds it, under a lock)."""
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        root = root.parent  # the workers' base directories are siblings in it
+    cache = root / "engined-cache"
+    with open(root / "engined-cache.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not any(cache.glob("tiny-llama-*/config.json")):
+            _build_tiny_llama(cache)
+    return cache
+
+
+def _build_tiny_llama(cache: Path) -> None:
     env = {**_clean_env(), "ENGINED_CACHE_DIR": str(cache)}
     done = subprocess.run(
         [PYTHON, "-c", "from engined.engine.checkpoint import tiny_llama_dir; "
@@ -158,7 +171,6 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert (Path(done.stdout.strip()) / "config.json").is_file(), done.stdout
-    return cache
 
 
 @pytest.fixture(scope="session")
