@@ -4,14 +4,14 @@ the header that says what ran where, tables, and how numbers are shown.
 - Results files: a full run writes bench/results/NAME.md, a quick run NAME-quick.md
   (git-ignored: a quick run never replaces the committed results of a full one); `--out FILE`
   for elsewhere (`add_out_option`, `out_path`). Written atomically (`Report.write`).
-- The header: `machine_lines()` (CPUs, memory, kernel, python, date), `engined_revision()` (the
-  commit under test), the load (`load_average`, `machine_load`, `cpu_busy_pct`): on a shared
-  machine other work inflates every figure, so a report says how busy the machine was.
+- The header (`Report.header`, the one function every result starts from): the commit under
+  test (full sha, and the files that differed from it), the date, the machine (CPU model, cores,
+  memory, kernel, python), the command that made it, and the load at the start. bench/stale.py
+  reads it back: a result older than its benchmark's own code is flagged.
+- The load (`machine_load`, `cpu_busy_pct`): on a shared machine other work inflates every
+  figure, so a report says how busy the machine was.
 - Tables: `table(...)` (header and separator), `dist_row(...)` (label, median, min–max, n).
-- Numbers: `None` (and, in the rows of a distribution, NaN) is a value that is not there, shown
-  as "–". `ms`, `sec`, `num` at a fixed precision; `ms_auto` by magnitude; `signed_pct`;
-  `spread` and `ms_range` (min–max), `med_spread` (median (min–max)); `quantile`, `med`,
-  `ratio`, `times`; `counted` (each distinct item with its count).
+- Numbers: `None` (and, in a distribution, NaN) is a value that is not there, shown as "–".
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -29,10 +30,13 @@ from typing import Any
 
 import psutil
 
-from bench.common import ENGINED_SOURCE, ROOT
+from bench.common import ROOT
 
 RESULTS = ROOT / "bench" / "results"
 DASH = "–"  # a value that is not there
+# what a result's commit line counts as "uncommitted changes": the code under test and the
+# benchmark's own (its results excluded)
+WATCHED = ("supervisor", "engine", "bench", "testkit", ":(exclude)bench/results")
 
 
 # --- the report and its file --------------------------------------------------------------------
@@ -47,13 +51,19 @@ class Report:
             print(line, flush=True)
             self.lines.append(line)
 
+    def header(self, title_text: str, quick: bool, prog: str, *more: str) -> None:
+        """The first lines of every result: `# TITLE`, then the commit, date, machine, command
+        (`prog` and this process's arguments) and the load at the start; then `more`."""
+        self(f"# {title_text}{' (--quick)' if quick else ''}", "", *header_lines(prog), *more,
+             "")
+
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
 
     def finish(self, leftovers: Any, out: Path) -> int:
         """The closing line (the load now, and what had to be killed by pid), then the file."""
-        self(f"{load_average('end')}; processes left over and killed by pid: "
-             f"{leftovers or 'none'}")
+        self(f"- load average at end: {os.getloadavg()[0]:.2f} (1 min); processes left over and "
+             f"killed by pid: {leftovers or 'none'}")
         self.write(out)
         return 0
 
@@ -66,55 +76,53 @@ class Report:
         print(f"\n(written to {out})")
 
 
-def default_out(name: str, quick: bool) -> Path:
-    """bench/results/NAME.md, or NAME-quick.md for a quick run (git-ignored: a quick run never
-    replaces the committed results of a full one)."""
-    return RESULTS / (f"{name}-quick.md" if quick else f"{name}.md")
-
-
 def add_out_option(parser: argparse.ArgumentParser, name: str) -> None:
-    """`--out FILE`; without it `out_path` picks `default_out(name, --quick)`."""
+    """`--out FILE`; without it `out_path` picks bench/results/NAME.md (or NAME-quick.md)."""
     parser.add_argument("--out", default=None, help=f"default bench/results/{name}.md "
                         f"(--quick: bench/results/{name}-quick.md)")
 
 
 def out_path(args: argparse.Namespace, name: str) -> Path:
-    return Path(args.out) if args.out else default_out(name, args.quick)
-
-
-def title(text: str, quick: bool) -> str:
-    """The report's first line: `# TEXT`, and ` (--quick)` for a quick run."""
-    return f"# {text}{' (--quick)' if quick else ''}"
+    if args.out:
+        return Path(args.out)
+    return RESULTS / (f"{name}-quick.md" if args.quick else f"{name}.md")
 
 
 # --- the header: what ran where -----------------------------------------------------------------
-def machine_lines() -> list[str]:
+def git(*args: str) -> str:
+    """A read-only git command in the repository (`--no-optional-locks`: no index refresh);
+    its output, or "" when it fails."""
+    try:
+        done = subprocess.run(["git", "--no-optional-locks", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def revision() -> str:
+    """`SHA` of HEAD, with ` + uncommitted changes in FILES` when the code under test or the
+    benchmark's own differs from it."""
+    head = git("rev-parse", "HEAD")
+    if not head:
+        return "not a git checkout"
+    changed = sorted({line[3:].split(" -> ")[-1] for line in
+                      git("status", "--porcelain", "--untracked-files=no", "--",
+                          *WATCHED).splitlines()})
+    return head + (f" + uncommitted changes in {', '.join(changed)}" if changed else "")
+
+
+def header_lines(prog: str) -> list[str]:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor() or "?")
-    return [f"- machine: {os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu}, "
-            f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, Linux {platform.release()}",
-            f"- python: {platform.python_version()} ({sys.executable})",
-            f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"]
-
-
-def engined_revision() -> str:
-    """The commit the engined under test was built from, and whether its sources differ (read
-    only: `--no-optional-locks` keeps git from even refreshing its index); the checkout it is
-    imported from when that is not this one's."""
-    def git(*args: str) -> str:
-        try:
-            done = subprocess.run(["git", "--no-optional-locks", *args], cwd=ENGINED_SOURCE,
-                                  capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-        return done.stdout.strip() if done.returncode == 0 else ""
-    head = git("rev-parse", "--short", "HEAD")
-    if not head:
-        return "- engined: not a git checkout"
-    changed = git("diff", "--name-only", "HEAD", "--", "supervisor", "engine").split()
-    where = "" if ENGINED_SOURCE == ROOT else f" (imported from {ENGINED_SOURCE})"
-    return (f"- engined: commit {head}{where}" + (f", with uncommitted changes in "
-                                                  f"{', '.join(changed)}" if changed else ""))
+    command = " ".join([prog, *map(shlex.quote, sys.argv[1:])])
+    return [f"- commit: {revision()}",
+            f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+            f"- machine: {cpu}, {os.cpu_count()} cores (nproc {len(os.sched_getaffinity(0))}), "
+            f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, Linux {platform.release()}, "
+            f"python {platform.python_version()}",
+            f"- command: {command}",
+            f"- load average at start: {os.getloadavg()[0]:.2f} (1 min)"]
 
 
 def cpu_busy_pct(cpu_start: Any) -> float:
@@ -123,11 +131,6 @@ def cpu_busy_pct(cpu_start: Any) -> float:
     busy = (sum(cpu_end) - cpu_end.idle - cpu_end.iowait) - (
         sum(cpu_start) - cpu_start.idle - cpu_start.iowait)
     return 100 * busy / max(1e-9, sum(cpu_end) - sum(cpu_start))
-
-
-def load_average(when: str) -> str:
-    """`- load average at WHEN: X (1 min)`."""
-    return f"- load average at {when}: {os.getloadavg()[0]:.2f} (1 min)"
 
 
 def machine_load(load_start: tuple[float, ...], cpu_start: Any,
@@ -147,13 +150,13 @@ def table(*columns: str) -> tuple[str, str]:
 
 
 def dist_row(label: str, values: Iterable[float | None], digits: int = 2, unit: str = "s",
-             scale: float = 1.0, sep: str = "–") -> str:
+             scale: float = 1.0) -> str:
     """`| label | median | min–max | n |` of the values that are there (`– | – | 0` if none)."""
     vals = present(values)
     if not vals:
         return f"| {label} | {DASH} | {DASH} | 0 |"
     return (f"| {label} | {num(statistics.median(vals), digits, unit, scale)} | "
-            f"{spread(vals, digits, unit, scale, sep)} | {len(vals)} |")
+            f"{spread(vals, digits, unit, scale)} | {len(vals)} |")
 
 
 # --- numbers ------------------------------------------------------------------------------------
@@ -164,13 +167,12 @@ def present(values: Iterable[float | None]) -> list[float]:
 
 def med(values: Iterable[float | None]) -> float | None:
     """Median of the values that are there (None when none is)."""
-    vals = [v for v in values if v is not None]
+    vals = present(values)
     return statistics.median(vals) if vals else None
 
 
 def quantile(values: Iterable[float], q: float) -> float | None:
-    """The q-quantile (0 ≤ q ≤ 1), linearly interpolated between order statistics; None for no
-    values."""
+    """The q-quantile (0 ≤ q ≤ 1), linearly interpolated between order statistics."""
     vals = sorted(values)
     if not vals:
         return None
@@ -195,16 +197,12 @@ def sec(seconds: float | None, digits: int = 2) -> str:
     return num(seconds, digits, "s")
 
 
-def ms_auto(seconds: float | None, tenths: bool = True) -> str:
-    """Milliseconds at a precision set by the magnitude: two decimals under 0.1 s, then one
-    under 10 s and whole milliseconds with thousands separators from there (`tenths`, for times
-    from microseconds to seconds); without `tenths`, whole milliseconds from 0.1 s (loop lag)."""
+def ms_auto(seconds: float | None) -> str:
+    """Milliseconds at a precision set by the magnitude (µs to seconds)."""
     if seconds is None:
         return DASH
     if seconds < 0.1:
         return f"{seconds * 1e3:.2f} ms"
-    if not tenths:
-        return f"{seconds * 1e3:.0f} ms"
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds * 1e3:,.0f} ms"
 
 
@@ -212,29 +210,19 @@ def signed_pct(value: float | None) -> str:
     return DASH if value is None else f"{value:+.1f} %"
 
 
-def spread(values: Iterable[float | None], digits: int = 2, unit: str = "s", scale: float = 1.0,
-           sep: str = "–") -> str:
+def spread(values: Iterable[float | None], digits: int = 2, unit: str = "s",
+           scale: float = 1.0) -> str:
     """`min–max unit` of the values that are there, or –."""
     vals = present(values)
     if not vals:
         return DASH
-    return f"{num(min(vals), digits, scale=scale)}{sep}{num(max(vals), digits, unit, scale)}"
+    return f"{num(min(vals), digits, scale=scale)}–{num(max(vals), digits, unit, scale)}"
 
 
 def ms_range(values: Iterable[float | None]) -> str:
     """`min – max` of the values that are there, each in `ms_auto`, or –."""
     vals = present(values)
     return f"{ms_auto(min(vals))} – {ms_auto(max(vals))}" if vals else DASH
-
-
-def med_spread(values: Iterable[float | None], digits: int = 2) -> str:
-    """`median s (min–max)` in seconds of the values that are there (one: just it), or –."""
-    vals = present(values)
-    if not vals:
-        return DASH
-    if len(vals) == 1:
-        return sec(vals[0], digits)
-    return f"{sec(statistics.median(vals), digits)} ({spread(vals, digits, '')})"
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -255,3 +243,32 @@ def counted(items: Iterable[str]) -> str:
     for item in items:
         seen[item] = seen.get(item, 0) + 1
     return ", ".join(f"{k} ×{v}" for k, v in seen.items()) or DASH
+
+
+# --- transition (removed once every benchmark uses Report.header) -------------------------------
+def engined_revision() -> str:
+    return f"- engined: commit {revision()}"
+
+
+def machine_lines() -> list[str]:
+    return header_lines("python -m bench")[1:3]
+
+
+def load_average(when: str) -> str:
+    return f"- load average at {when}: {os.getloadavg()[0]:.2f} (1 min)"
+
+
+def title(text: str, quick: bool) -> str:
+    return f"# {text}{' (--quick)' if quick else ''}"
+
+
+def default_out(name: str, quick: bool) -> Path:
+    return RESULTS / (f"{name}-quick.md" if quick else f"{name}.md")
+
+
+def med_spread(values: Iterable[float | None], digits: int = 2) -> str:
+    vals = present(values)
+    if not vals:
+        return DASH
+    return sec(vals[0], digits) if len(vals) == 1 else \
+        f"{sec(statistics.median(vals), digits)} ({spread(vals, digits, '')})"

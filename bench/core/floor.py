@@ -1,6 +1,6 @@
 """The floor: a minimal pidfd-based asyncio supervisor, the baseline engined is measured against.
 
-`python -m bench.floor [N] [ARGV...]` keeps N copies of ARGV alive (default: a sleeping Python
+`python -m bench.core.floor [N] [ARGV...]` keeps N copies of ARGV alive (default: a sleeping Python
 interpreter, exec'd like engined execs its engines; children's stdio is /dev/null). Each exit is
 seen through a pidfd registered with the event loop; the child is reaped and respawned at once.
 Written to stdout, one write per line:
