@@ -173,9 +173,11 @@ class Cleanup:
         return thing
 
     def stop(self, thing: Any, *args: Any, **kwargs: Any) -> Any:
-        """Stop one started thing now (its directory stays until close() unless removed)."""
+        """Stop one started thing now, and remove its directory if it has one."""
         result = thing.stop(*args, **kwargs)
         self.started.remove(thing)
+        if hasattr(thing, "remove_dir"):
+            thing.remove_dir()
         return result
 
     def scratch(self, prefix: str) -> Path:

@@ -106,9 +106,7 @@ def revision() -> str:
     head = git("rev-parse", "HEAD")
     if not head:
         return "not a git checkout"
-    changed = sorted({line[3:].split(" -> ")[-1] for line in
-                      git("status", "--porcelain", "--untracked-files=no", "--",
-                          *WATCHED).splitlines()})
+    changed = git("diff", "--name-only", "HEAD", "--", *WATCHED).split()
     return head + (f" + uncommitted changes in {', '.join(changed)}" if changed else "")
 
 

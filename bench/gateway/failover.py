@@ -1,4 +1,4 @@
-"""Scenario 3: requests lost per engine kill. Two echo replicas (20 ms a token), 32 concurrent
+"""Requests lost per engine kill. Two echo replicas (20 ms a token), 32 concurrent
 requests (half streamed), one replica SIGKILLed once the engines' heartbeats count all of them;
 through the gateway (it moves them to the other replica) and through the control socket (no
 failover) in turn, on the same victim; every answer checked against the echo oracle.
@@ -10,17 +10,17 @@ import asyncio
 import json
 import re
 import signal
+import urllib.request
 from typing import Any
 
 import psutil
 
 from bench.common import BenchError, wait_until
 from bench.gateway.paths import GatewayDaemon
-from bench.metrics import Snapshots
 from bench.report import Report, table
 from testkit.driver import is_engine_of
 
-# Scenario 3 and 4: two echo replicas that take their time (20 ms per token).
+# Two echo replicas that take their time (20 ms per token).
 ECHO_TOKEN_MS = 20
 KILL_CLIENTS = 32
 KILL_PROMPT_CHARS = 200  # 4 s per request at 20 ms a token: still running when the kill lands
@@ -84,19 +84,21 @@ def routable_and_idle(daemon: GatewayDaemon) -> bool:
         queue_of(engines).values())
 
 
-def migrations(snap: Snapshots) -> float:
-    _took, _recv, body = snap.get()
-    m = _MIGRATIONS_RE.search(body)
+def migrations(daemon: GatewayDaemon) -> float:
+    """`engined_gateway_migrations_total` from the daemon's GET /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.http_port}/metrics",
+                                timeout=30) as resp:
+        m = _MIGRATIONS_RE.search(resp.read())
     return float(m.group(1)) if m else 0.0
 
 
-async def kill_trial(daemon: GatewayDaemon, session: Any, via: str, victim: str, trial: int,
-                     snap: Snapshots) -> dict[str, Any]:
+async def kill_trial(daemon: GatewayDaemon, session: Any, via: str, victim: str, trial: int
+                     ) -> dict[str, Any]:
     """KILL_CLIENTS requests at once (half streamed), the victim SIGKILLed once every request is
     on an engine (their last heartbeats count all of them), then every answer checked."""
     await asyncio.to_thread(wait_until, lambda: routable_and_idle(daemon), 30,
                             "both replicas routable and idle", 0.05)
-    moved0 = await asyncio.to_thread(migrations, snap)
+    moved0 = await asyncio.to_thread(migrations, daemon)
     base = f"http://127.0.0.1:{daemon.gateway_port}/v1"
     prompts = [(f"{via[0]}{trial}-{i:02d} " + "abcdefghij" * 30)[:KILL_PROMPT_CHARS]
                for i in range(KILL_CLIENTS)]
@@ -119,7 +121,7 @@ async def kill_trial(daemon: GatewayDaemon, session: Any, via: str, victim: str,
     proc.send_signal(signal.SIGKILL)
     errors = [err for err in await asyncio.gather(*tasks) if err is not None]
     await asyncio.to_thread(daemon.wait_ready, e["incarnation"] + 1, 60, 0.02, victim)
-    moved = await asyncio.to_thread(migrations, snap) - moved0
+    moved = await asyncio.to_thread(migrations, daemon) - moved0
     return {"via": via, "victim": victim, "in_flight": in_flight, "lost": len(errors),
             "moved": moved, "errors": errors[:3]}
 

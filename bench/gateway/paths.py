@@ -1,8 +1,7 @@
-"""The paths a request takes to an engine, for scenarios 1 and 2: the workload (prompts, models,
-max_tokens), the eight paths (direct over ZeroMQ, the control socket, the gateway with aiohttp and
-with the `openai` client; each streamed and not), `Direct` (the daemon's own engine channels in
-this process, with engine children of their own), `GatewayDaemon` (engined with the gateway on a
-free port) and `Clients` (one request on any path).
+"""The paths a request takes to an engine: the workload (prompts, models, max_tokens), the six
+paths (direct over ZeroMQ, the control socket, the gateway; each streamed and not), `Direct` (the
+daemon's own engine channels in this process, with engine children of their own), `GatewayDaemon`
+(engined with the gateway on a free port) and `Clients` (one request on any path).
 """
 
 from __future__ import annotations
@@ -89,8 +88,6 @@ PATHS = [
     Route("control-stream", "control socket `POST /v1/generate`, streamed (NDJSON)", True),
     Route("gateway", "gateway `/v1/completions` (aiohttp)", False),
     Route("gateway-stream", "gateway `/v1/completions`, streamed SSE (aiohttp)", True),
-    Route("openai", "gateway via the `openai` client", False),
-    Route("openai-stream", "gateway via the `openai` client, streamed", True),
 ]
 PATH = {p.key: p for p in PATHS}
 
@@ -181,7 +178,7 @@ class Direct:
 # --- engined --------------------------------------------------------------------------------------
 class GatewayDaemon(BenchDaemon):
     """engined (bench.common.BenchDaemon: immediate restarts, 1 s heartbeats) with the gateway on
-    a free loopback port (and, for the loop lag, `http:` on another)."""
+    a free loopback port (and, for the failover's counters, `http:` on another)."""
 
     log_lines = 30
 
@@ -197,12 +194,11 @@ class GatewayDaemon(BenchDaemon):
 
 # --- one request on each path ---------------------------------------------------------------------
 class Clients:
-    """One keep-alive client per path: aiohttp on the control socket and on the gateway, the
-    openai client on the gateway, the direct channels."""
+    """One keep-alive aiohttp session on the control socket, one on the gateway, and the direct
+    channels."""
 
     def __init__(self, direct: Direct, socket_path: str, gateway_port: int) -> None:
         import aiohttp
-        import openai
 
         timeout = aiohttp.ClientTimeout(total=300)
         self.direct = direct
@@ -211,13 +207,10 @@ class Clients:
         self.gateway = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
             limit=0, keepalive_timeout=5), timeout=timeout)
         self.base = f"http://127.0.0.1:{gateway_port}/v1"
-        self.openai = openai.AsyncOpenAI(base_url=self.base, api_key="none", max_retries=0,
-                                         timeout=300)
 
     async def close(self) -> None:
         await self.control.close()
         await self.gateway.close()
-        await self.openai.close()
 
     async def one(self, path: str, group: str, prompt: str) -> Sample:
         return await getattr(self, "_" + path.replace("-", "_"))(group, prompt)
@@ -318,26 +311,3 @@ class Clients:
                 if data.get("usage"):
                     tokens = data["usage"]["completion_tokens"]
         raise BenchError("gateway (stream): no [DONE]")
-
-    async def _openai(self, group: str, prompt: str) -> Sample:
-        started = time.perf_counter()
-        done = await self.openai.completions.create(model=group, prompt=prompt,
-                                                    max_tokens=MAX_TOKENS, temperature=0)
-        assert done.usage is not None
-        return Sample(time.perf_counter() - started, done.usage.completion_tokens,
-                      done.choices[0].text)
-
-    async def _openai_stream(self, group: str, prompt: str) -> Sample:
-        started = time.perf_counter()
-        ttft, parts, tokens = None, [], -1
-        stream = await self.openai.completions.create(
-            model=group, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
-            stream_options={"include_usage": True})
-        async for chunk in stream:
-            if chunk.choices:
-                if ttft is None:
-                    ttft = time.perf_counter() - started
-                parts.append(chunk.choices[0].text)
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        return Sample(time.perf_counter() - started, tokens, "".join(parts), ttft)
