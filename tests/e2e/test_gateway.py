@@ -36,6 +36,26 @@ def gateway(engined):
     return start
 
 
+# The read-only tests below share one daemon: ECHO behind the gateway, one model served.
+SHARED = pytest.mark.xdist_group("gateway-shared")
+
+
+@pytest.fixture(scope="module")
+def shared(module_engined):
+    port = free_port()
+    d = module_engined([ECHO], supervisor={"gateway": f"127.0.0.1:{port}"})
+    d.port = port
+    return d, _client(port)
+
+
+@pytest.fixture
+def ready_shared(shared):
+    d, client = shared
+    assert d.alive(), "the module's shared daemon is gone"
+    d.wait_all_ready()
+    return d, client
+
+
 @pytest.mark.smoke
 def test_models_completions_and_chat_streamed_and_not(gateway):
     d, client = gateway([ECHO, {"name": "other", "model": "builtin:echo",
@@ -76,8 +96,9 @@ def test_models_completions_and_chat_streamed_and_not(gateway):
 
 
 @pytest.mark.smoke
-def test_errors_are_openai_shaped(gateway):
-    d, client = gateway()
+@SHARED
+def test_errors_are_openai_shaped(ready_shared):
+    d, client = ready_shared
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="nope", prompt="x")
     assert err.value.code == "model_not_found" and "echo" in err.value.message
@@ -355,11 +376,12 @@ def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
     return http_json("POST", f"http://127.0.0.1:{port}{path}", body)
 
 
-def test_tokenize_and_detokenize_with_the_engines_own_tokenizer(gateway):
+@SHARED
+def test_tokenize_and_detokenize_with_the_engines_own_tokenizer(ready_shared):
     """vLLM's /tokenize (a prompt or a chat, token strings if asked) and /detokenize, answered
     by an engine of the model (builtin:echo: a token is a code point); `model` may be left out
     when one model is served; bad input is a 400 naming the field."""
-    d, client = gateway()
+    d, client = ready_shared
     assert _post(d.port, "/tokenize", {"model": "echo", "prompt": "hé"}) == (
         200, {"count": 2, "max_model_len": 1 << 20, "tokens": [104, 233], "token_strs": None})
     code, body = _post(d.port, "/tokenize", {"prompt": "ab", "return_token_strs": True})
@@ -418,10 +440,11 @@ def test_the_responses_api_whole_and_streamed_and_kept_across_a_death(gateway):
     assert err.value.param == "previous_response_id"
 
 
-def test_a_request_too_large_for_the_engine_is_a_400_not_a_wait(gateway):
+@SHARED
+def test_a_request_too_large_for_the_engine_is_a_400_not_a_wait(ready_shared):
     """A body the gateway takes (8 MiB) that the engine's frame limit (4 MiB) does not: 400
     naming why at once, instead of a request the engine drops and a client that waits."""
-    d, client = gateway()
+    d, client = ready_shared
     ids = list(range(1000, 1000 + 900_000))  # ~5.4 MB of JSON, over 4 MiB as msgpack
     code, body = _post(d.port, "/v1/completions", {"model": "echo", "prompt": ids,
                                                    "max_tokens": 1})

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from testkit.commandserver import next_token
-from testkit.driver import PYTHON, REPO_ROOT, http_json
+from testkit.driver import PYTHON, REPO_ROOT, free_port, http_json
 
 SERVER = str(REPO_ROOT / "testkit" / "commandserver.py")
 PROGRESS = {"busy": "fake:num_requests_running", "counter": "fake:generation_tokens"}
@@ -55,6 +55,27 @@ def gateway(engined):
     return start
 
 
+# The read-only tests share one daemon: fleet() behind the gateway.
+SHARED = pytest.mark.xdist_group("gateway-commands-shared")
+
+
+@pytest.fixture(scope="module")
+def shared(module_engined):
+    port = free_port()
+    d = module_engined(fleet(), supervisor={"gateway": f"127.0.0.1:{port}"})
+    assert d.alive()
+    return d, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                            max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def ready_shared(shared):
+    d, client = shared
+    assert d.alive(), "the module's shared daemon is gone"
+    d.wait_all_ready()
+    return d, client
+
+
 def serving(d) -> str:
     def find():
         busy = [n for n, e in d.engines().items() if (e.get("queue") or {}).get("running")]
@@ -63,8 +84,9 @@ def serving(d) -> str:
 
 
 @pytest.mark.smoke
-def test_completions_chat_and_models_through_a_command_engine(gateway):
-    d, client = gateway(fleet())
+@SHARED
+def test_completions_chat_and_models_through_a_command_engine(ready_shared):
+    d, client = ready_shared
     assert [m.id for m in client.models.list()] == ["fake"]
     done = client.completions.create(model="fake", prompt=PROMPT, max_tokens=12)
     assert done.choices[0].text == expected(list(PROMPT.encode()), 12)
@@ -203,11 +225,12 @@ def test_a_rolling_restart_waits_for_a_command_engines_gateway_requests(gateway)
 
 # --- everything the server serves, passed through ---------------------------------------------
 
-def test_the_clients_body_reaches_the_server_as_it_came_and_its_answer_comes_back(gateway):
+@SHARED
+def test_the_clients_body_reaches_the_server_as_it_came_and_its_answer_comes_back(ready_shared):
     """The gateway reads only what it needs: every other field (vLLM's extras, n, logprobs)
     reaches the server unchanged; only the model name is the server's own, and the answer comes
     back with the client's name and whatever else the server put in it."""
-    d, client = gateway(fleet())
+    d, client = ready_shared
     extras = {"top_k": 3, "min_p": 0.1, "repetition_penalty": 1.0, "min_tokens": 2,
               "ignore_eos": True, "stop_token_ids": [0], "logit_bias": {"97": 5}}
     done = client.completions.create(model="fake", prompt=PROMPT, max_tokens=4, n=2,
@@ -226,16 +249,18 @@ def test_the_clients_body_reaches_the_server_as_it_came_and_its_answer_comes_bac
     assert got["response_format"] == {"type": "json_object"} and chat.model == "fake"
 
 
-def test_the_servers_errors_reach_the_client_as_it_sent_them(gateway):
-    d, client = gateway(fleet())
+@SHARED
+def test_the_servers_errors_reach_the_client_as_it_sent_them(ready_shared):
+    d, client = ready_shared
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="fake", prompt="x", max_tokens=-1)
     assert err.value.status_code == 400 and "max_tokens must be at least 1" in str(err.value)
     assert d.engine("fake-0")["restarts"] == d.engine("fake-1")["restarts"] == 0
 
 
-def test_the_rest_of_the_servers_api_is_reachable_through_the_gateway(gateway):
-    d, client = gateway(fleet())
+@SHARED
+def test_the_rest_of_the_servers_api_is_reachable_through_the_gateway(ready_shared):
+    d, client = ready_shared
     base = str(client.base_url).rstrip("/").removesuffix("/v1")
     assert http_json("POST", f"{base}/tokenize", {"model": "fake", "prompt": "ab"}) == (
         200, {"tokens": [97, 98], "count": 2,

@@ -26,8 +26,25 @@ def _lines(raw: bytes) -> list[dict]:
     return [json.loads(line) for line in raw.splitlines() if line.strip()]
 
 
-def test_enginectl_stream_prints_tokens_as_they_come(engined):
-    d = engined([SLOW_ECHO])
+# The read-only tests share one daemon: SLOW_ECHO.
+SHARED = pytest.mark.xdist_group("generate-shared")
+
+
+@pytest.fixture(scope="module")
+def shared(module_engined):
+    return module_engined([SLOW_ECHO])
+
+
+@pytest.fixture
+def ready_shared(shared):
+    assert shared.alive(), "the module's shared daemon is gone"
+    shared.wait_all_ready()
+    return shared
+
+
+@SHARED
+def test_enginectl_stream_prints_tokens_as_they_come(ready_shared):
+    d = ready_shared
     proc = d.ctl_popen("generate", "--stream", "abcdefghij", stdout=-1, stderr=-1)
     arrivals: list[tuple[float, bytes]] = []
     try:
@@ -74,8 +91,9 @@ def test_ndjson_stream_stop_strings_chat_and_usage(engined):
     assert (out.returncode, out.stdout) == (0, "ab\n"), out
 
 
-def test_bad_requests_are_400_naming_the_field(engined):
-    d = engined([SLOW_ECHO])
+@SHARED
+def test_bad_requests_are_400_naming_the_field(ready_shared):
+    d = ready_shared
     for body, fragment in [
         ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "not both"),
         ({"messages": []}, "'messages': expected `array` of length >= 1"),

@@ -51,21 +51,35 @@ def _value(samples, name, **labels):
     return samples.get((name, tuple(sorted(labels.items()))))
 
 
+FLEET = [{"name": "echo", "replicas": 2, "model": "builtin:echo"},
+         {"name": "slow", "model": "builtin:echo", "env": {"ENGINED_ECHO_LOAD_S": "2"}}]
+
+
 @pytest.fixture
 def http_fleet(engined):
     """Two echo replicas (one group) plus a slow-loading single engine, HTTP on a free port."""
     port = free_port()
-    daemon = engined(engines=[
-        {"name": "echo", "replicas": 2, "model": "builtin:echo"},
-        {"name": "slow", "model": "builtin:echo", "env": {"ENGINED_ECHO_LOAD_S": "2"}},
-    ], supervisor={"http": f"127.0.0.1:{port}"})
+    daemon = engined(engines=FLEET, supervisor={"http": f"127.0.0.1:{port}"})
+    daemon.port = port
+    return daemon
+
+
+# The read-only tests share one daemon: the same fleet as http_fleet's.
+SHARED = pytest.mark.xdist_group("observability-shared")
+
+
+@pytest.fixture(scope="module")
+def shared_fleet(module_engined):
+    port = free_port()
+    daemon = module_engined(engines=FLEET, supervisor={"http": f"127.0.0.1:{port}"})
     daemon.port = port
     return daemon
 
 
 @pytest.mark.smoke
-def test_every_design_metric_is_exposed_with_its_labels(http_fleet):
-    samples = _samples(http_fleet.port)
+@SHARED
+def test_every_design_metric_is_exposed_with_its_labels(shared_fleet):
+    samples = _samples(shared_fleet.port)
     names = {name for name, _ in samples}
     for name in ("engined_build_info", "engined_engine_info", "engined_engine_state",
                  "engined_engine_up", "engined_engine_restarts_total",
@@ -91,10 +105,11 @@ def test_every_design_metric_is_exposed_with_its_labels(http_fleet):
 
 
 @pytest.mark.smoke
-def test_promtool_check_metrics_is_clean_on_a_live_scrape(http_fleet):
+@SHARED
+def test_promtool_check_metrics_is_clean_on_a_live_scrape(shared_fleet):
     promtool = _need("promtool")
-    assert http_fleet.ctl("generate", "hello").returncode == 0  # request counters have samples
-    _, body = _get(http_fleet.port, "/metrics")
+    assert shared_fleet.ctl("generate", "hello").returncode == 0  # request counters have samples
+    _, body = _get(shared_fleet.port, "/metrics")
     check = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True,
                            timeout=30)
     assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), (
