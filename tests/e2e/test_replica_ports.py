@@ -72,7 +72,7 @@ def test_each_replica_on_a_port_of_its_own(engined):
         assert [m.id for m in client.models.list()] == [model]
         # a slow request sent to this port runs on this replica, and on no other
         slow = threading.Thread(target=lambda c=client, m=model: c.completions.create(
-            model=m, prompt="x" * 150, max_tokens=150))
+            model=m, prompt="x" * 75, max_tokens=75))  # 1.5 s at 20 ms a token
         slow.start()
         seen = d.wait_for(lambda: (r := running()) and sum(r.values()) and r, 30,
                           f"the request sent to {name}'s port running")

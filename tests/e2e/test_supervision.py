@@ -247,7 +247,7 @@ def _spawn_and_exit_times(d, name: str) -> tuple[list[float], list[float]]:
 def test_crash_loop_backs_off_then_fails_and_start_retries(engined):
     bad = {"name": "bad", "replicas": 1, "model": "builtin:echo",
            "env": {"ENGINED_ECHO_FAIL": "build"},
-           "backoff": {"initial": "0.2s", "factor": 2, "max": "5s", "jitter": 0},
+           "backoff": {"initial": "0.05s", "factor": 2, "max": "5s", "jitter": 0},
            "start_limit": {"burst": 4, "interval": "60s"}}
     d = engined([bad], ready=False)
     failed = d.wait_state("bad-0", "FAILED", timeout_s=30)
@@ -267,12 +267,12 @@ def test_crash_loop_backs_off_then_fails_and_start_retries(engined):
     kinds = [msg.split()[0] for _, _, msg in d.daemon_log()
              if msg.startswith(("[spawn] bad-0 ", "[exit] bad-0 "))]
     assert kinds == ["[spawn]", "[exit]"] * 5, kinds
-    # Never respawned before its backoff (exit -> next spawn): 0, 0.2, 0.4, 0.8 s. How soon
+    # Never respawned before its backoff (exit -> next spawn): 0, 0.05, 0.1, 0.2 s. How soon
     # after is the lifecycle tier's to pin, exactly (tests/lifecycle/test_replica.py
     # test_crash_loop_restarts_at_once_then_backs_off_then_fails); here a loaded machine may
     # add any delay. Log stamps are cut to the millisecond: 0.01 s of slack.
     delays = [spawn - exit_ for exit_, spawn in zip(exits, spawns[1:])]
-    for k, (delay, expected) in enumerate(zip(delays, [0.0, 0.2, 0.4, 0.8])):
+    for k, (delay, expected) in enumerate(zip(delays, [0.0, 0.05, 0.1, 0.2])):
         assert delay >= expected - 0.01, (k, delays)
 
     table = d.ctl("status")
