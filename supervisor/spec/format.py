@@ -27,6 +27,9 @@ _ENGINE_ROWS = (
     _Row("python", "child", when_set=True), _Row("gpus"), _Row("restart"), _Row("timeouts"),
     _Row("backoff"), _Row("batch", "child"), _Row("serving"), _Row("env"),
 )
+# which engines each engine row is shown for ("any", "child", "command"): the spec reference
+# says from it which engines a key applies to
+ENGINE_ROW_KINDS = {row.label: row.engines for row in _ENGINE_ROWS}
 
 
 def format_fleet(fleet: FleetSpec) -> str:
