@@ -146,7 +146,8 @@ def reload_effect(key: Key) -> tuple[str, str]:
         and applies_to(key) != "command" else None
     short, sentence = plain or ("?", "?")
     if dp is not None and dp != plain:
-        sentence += f"; in a `data_parallel` group: {dp[1]}"
+        sentence += ("; a `data_parallel` group restarts as a gang" if dp[0] == "rolling restart"
+                     else f"; in a `data_parallel` group: {dp[1]}")
     return short, sentence
 
 
@@ -163,8 +164,8 @@ def _plan_effect(key: Key, context: Mapping[str, Any],
 
 def _effect(plan: ReloadPlan) -> tuple[str, str]:
     if plan.changed:
-        return ("rolling restart", "restarts the engine's replicas, a few at a time "
-                "(`rollout`)")
+        return ("rolling restart", "restarts the engine's replicas, `rollout` at a time (a "
+                "data-parallel group as a gang)")
     if plan.added and plan.removed:
         return "replaced", "a new engine: the old one's replicas stop, the new one's start"
     if plan.added or plan.removed:
