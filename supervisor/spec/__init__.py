@@ -176,7 +176,13 @@ def anchor_paths(fleet: FleetSpec, base_dir: str) -> FleetSpec:
         runtime_dir=anchor(sup.runtime_dir),
         log_dir=anchor(sup.log_dir),
         api_key_file=anchor(sup.api_key_file),
+        control_token_file=anchor(sup.control_token_file),
+        control_tls_cert=anchor(sup.control_tls_cert),
+        control_tls_key=anchor(sup.control_tls_key),
     )
+    upstreams = fleet.upstreams
+    if upstreams is not None:
+        upstreams = dataclasses.replace(upstreams, api_key_file=anchor(upstreams.api_key_file))
     engines = []
     for engine in fleet.engines:
         model = engine.model
@@ -188,7 +194,8 @@ def anchor_paths(fleet: FleetSpec, base_dir: str) -> FleetSpec:
             command = (_anchor(base_dir, command[0]), *command[1:])
         engines.append(dataclasses.replace(engine, model=model, python=anchor(engine.python),
                                            command=command, cwd=anchor(engine.cwd)))
-    return dataclasses.replace(fleet, supervisor=supervisor, engines=tuple(engines))
+    return dataclasses.replace(fleet, supervisor=supervisor, engines=tuple(engines),
+                               upstreams=upstreams)
 
 
 def _anchor(base_dir: str, path: str) -> str:

@@ -248,7 +248,8 @@ with a `name`), or `upstreams:` in place of `engines:` and `defaults:` for a
 - **Sizes**: bytes, or a number with a binary unit: `512K`, `10MiB`, `1G` (`KB`, `KiB`, `MB`,
   `MiB`, `GB`, `GiB` alike).
 - **Relative paths** (a model directory, `python`, `runtime_dir`, `log_dir`, `control_socket`,
-  `api_key_file`, a command's program and `cwd`) resolve against the spec file's directory.
+  the token, certificate and key files, a command's program and `cwd`) resolve against the spec
+  file's directory.
 - **Where**: the section a key may be written in; an engine's own value wins over `defaults:`.
   Some keys apply only to engined's own engines (`model:`) or only to command engines
   (`command:`, servers engined did not write).

@@ -622,7 +622,9 @@ def test_relative_paths_resolve_against_the_spec_files_directory(tmp_path: Path)
     """Not against the daemon's working directory: that is `/` under systemd."""
     spec = tmp_path / "conf" / "fleet.yaml"
     spec.parent.mkdir()
-    spec.write_text("version: 1\nsupervisor: {runtime_dir: run, log_dir: ../logs, http: off}\n"
+    spec.write_text("version: 1\nsupervisor: {runtime_dir: run, log_dir: ../logs, http: off,\n"
+                    "  control_tcp: 127.0.0.1:9500, control_token_file: token,\n"
+                    "  control_tls_cert: tls/cert.pem, control_tls_key: tls/key.pem}\n"
                     "engines:\n  - {name: a, model: {path: models/x}}\n"
                     "  - {name: b, model: {path: /abs/y}}\n  - {name: c, model: builtin:echo}\n")
     fleet = load_fleet(spec)
@@ -632,6 +634,13 @@ def test_relative_paths_resolve_against_the_spec_files_directory(tmp_path: Path)
     assert fleet.supervisor.runtime_dir == str(tmp_path / "conf" / "run")
     assert fleet.supervisor.log_dir == str(tmp_path / "logs")
     assert fleet.supervisor.control_socket is None
+    assert (fleet.supervisor.control_token_file, fleet.supervisor.control_tls_cert,
+            fleet.supervisor.control_tls_key) == tuple(
+        str(tmp_path / "conf" / p) for p in ("token", "tls/cert.pem", "tls/key.pem"))
+    cluster = tmp_path / "conf" / "cluster.yaml"
+    cluster.write_text("version: 1\nsupervisor: {gateway: 127.0.0.1:8000, http: off}\n"
+                       "upstreams: {nodes: ['node-a:8000'], api_key_file: node-key}\n")
+    assert load_fleet(cluster).upstreams.api_key_file == str(tmp_path / "conf" / "node-key")
     # text without a file keeps what was written
     assert parse_fleet(spec.read_text()).engines[0].model.path == "models/x"
 
