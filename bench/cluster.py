@@ -36,17 +36,7 @@ from pathlib import Path
 
 import openai
 
-from bench.report import (
-    Report,
-    add_out_option,
-    dist_row,
-    engined_revision,
-    load_average,
-    machine_lines,
-    out_path,
-    table,
-    title,
-)
+from bench.report import Report, add_out_option, dist_row, out_path, table
 from testkit.clusternet import (
     Cluster,
     Hosts,
@@ -176,12 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     n_load = args.requests or (60 if args.quick else 300)
 
     r = Report()
-    r(title("engined cluster gateway benchmark", args.quick), "", *machine_lines(),
-      engined_revision(), load_average("start"),
-      f"- three nodes, each an engined in a network namespace of its own, its engine "
-      f"testkit/commandserver.py (`openai: vllm`, a token every {TICK} s); the cluster gateway in "
-      f"a fourth namespace, the nodes found through a name in its hosts file; probes every "
-      f"0.3 s, a node down after 2 s without an answer", "")
+    r.header("engined cluster gateway benchmark", args.quick, parser.prog,
+             f"- three nodes, each an engined in a network namespace of its own, its engine "
+             f"testkit/commandserver.py (`openai: vllm`, a token every {TICK} s); the cluster "
+             f"gateway in a fourth namespace, the nodes found through a name in its hosts file; "
+             f"probes every 0.3 s, a node down after 2 s without an answer")
     hosts, root = Hosts(3), Path(tempfile.mkdtemp(prefix="ecb", dir="/tmp"))
     cluster = Cluster(root)
     try:

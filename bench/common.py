@@ -1,21 +1,19 @@
 """What the benchmarks share: errors and waits, process tracking and cleanup by pid, the engined
-daemon (testkit/driver.py's `Daemon` with what a benchmark adds), clients of its control socket and
-the benchmarks' HTTP load generator. How they report is bench/report.py.
+daemon (testkit/driver.py's `Daemon` with what a benchmark adds) and clients of its control socket.
+How they report is bench/report.py.
 
 The daemon driver is the tests' own, `testkit.driver`. What the benchmarks use of engined's
-supervisor internals is imported here and nowhere else (HTTP over the control socket, the engine
-channels, how the launcher builds an engine child's environment, the spec's source), so that it is
-repointed in one place when they move. Nothing here kills by name: every process is tracked by pid
+supervisor internals (HTTP over the control socket, the engine channels, how the launcher builds an
+engine child's environment) is imported here and nowhere else, so that it is repointed in one
+place when they move. Nothing here kills by name: every process is tracked by pid
 (psutil handles, which guard against pid reuse) and stopped by pid.
 """
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -33,13 +31,9 @@ from engined.supervisor.client import UnixHTTPConnection as UnixHTTPConnection
 from engined.supervisor.host.launcher import child_environment as child_environment
 from engined.supervisor.host.launcher import expose_engine_package as expose_engine_package
 from engined.supervisor.ipc import EngineChannels as EngineChannels
-from engined.supervisor.spec import resolve
 from testkit.driver import Daemon, build_spec, is_engine_of
 
 ROOT = Path(__file__).resolve().parent.parent
-# the checkout the engined under test is imported from: ROOT, unless bench/ runs from another
-# worktree than the one engined is installed (editable) from
-ENGINED_SOURCE = Path(resolve.__file__).resolve().parents[2]
 T = TypeVar("T")
 
 
@@ -207,6 +201,21 @@ class Cleanup:
         return killed
 
 
+def build_checkpoint(cache: Path) -> Path:
+    """builtin:tiny-llama's checkpoint built into `cache` (untimed), exactly as an engine builds
+    it on first use: one thread, offline, no GPU, the installed engined."""
+    env = without_engined_vars(None, "WATCHDOG_USEC", "WATCHDOG_PID", "PYTHONPATH")
+    env.update({"ENGINED_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})
+    code = ("from engined.engine.checkpoint import tiny_llama_dir; "
+            "print(tiny_llama_dir(lambda phase, detail: None))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    if done.returncode != 0:
+        raise BenchError(f"building tiny-llama failed:\n{done.stderr[-2000:]}")
+    return Path(done.stdout.strip())
+
+
 # --- engined ------------------------------------------------------------------------------------
 # Every restart immediate: no backoff delay, the failure streak resets at once, never FAILED.
 IMMEDIATE_RESTARTS = {
@@ -216,12 +225,6 @@ IMMEDIATE_RESTARTS = {
     "stop_timeout": "10s",
 }
 HEARTBEATS = {"heartbeat_interval": "1s", "heartbeat_timeout": "10s"}
-
-
-def spec_has_key(key: str) -> bool:
-    """Whether this engined's spec knows `key` (one still being built may not): its resolver's
-    source names it."""
-    return f'"{key}"' in Path(resolve.__file__).read_text()
 
 
 class KeepAlive:
@@ -253,96 +256,11 @@ class KeepAlive:
             self.conn = None
 
 
-_HEADERS = (b"content-length", b"transfer-encoding", b"connection")  # what LeanHTTP reads
-
-
-class LeanHTTP:
-    """The benchmarks' load generator for JSON POSTs: HTTP/1.1 over asyncio streams, one
-    keep-alive connection per request in flight (reused once its answer is read), the body
-    encoded once per request and the answer parsed by Content-Length (or chunks).
-
-    It replaces aiohttp's client where a benchmark compares paths by their time: the client
-    runs on the same 2 cores as what it measures, and aiohttp's per-request machinery (0.14-0.2
-    ms of CPU a request here, against 0.08 ms for this: bursts of 8 against a server that
-    answers at once) was counted in every HTTP path's figure. A serving client lives on another
-    host; the servers still parse full HTTP.
-    """
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, unix: str | None = None,
-                 timeout_s: float = 300.0) -> None:
-        self.host, self.port, self.unix = host, port, unix
-        self.timeout_s = timeout_s
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-
-    async def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-        """(status, the answer's JSON); raises BenchError on a non-JSON or cut answer."""
-        async with asyncio.timeout(self.timeout_s):  # no task of its own, unlike wait_for
-            return await self._post(path, json.dumps(body).encode())
-
-    async def _post(self, path: str, data: bytes) -> tuple[int, Any]:
-        while self._idle:
-            reader, writer = self._idle.pop()
-            if reader.at_eof() or writer.is_closing():
-                writer.close()  # the server closed it while idle (uvicorn after 5 s)
-                continue
-            try:
-                return await self._exchange(reader, writer, path, data)
-            except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
-                if getattr(exc, "partial", b""):
-                    raise
-                # closed by the server as this request went out: nothing was answered, so it
-                # goes again on another connection (as HTTP clients retry on a stale one)
-        if self.unix is not None:
-            reader, writer = await asyncio.open_unix_connection(self.unix)
-        else:
-            reader, writer = await asyncio.open_connection(self.host, self.port)
-        return await self._exchange(reader, writer, path, data)
-
-    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        path: str, data: bytes) -> tuple[int, Any]:
-        try:
-            writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s"
-                         % (path.encode(), self.host.encode(), len(data), data))
-            head = (await reader.readuntil(b"\r\n\r\n")).split(b"\r\n")
-            status = int(head[0][9:12])  # HTTP/1.1 NNN
-            headers = {k.lower(): v.strip() for k, _, v in
-                       (line.partition(b":") for line in head[1:]) if k.lower() in _HEADERS}
-            if b"content-length" in headers:
-                raw = await reader.readexactly(int(headers[b"content-length"]))
-            elif headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-                raw = b""
-                while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
-                    raw += (await reader.readexactly(size + 2))[:-2]
-                await reader.readuntil(b"\r\n")  # the empty trailer
-            else:
-                raise BenchError(f"POST {path}: HTTP {status} without a length: {head}")
-            answer = json.loads(raw)
-        except BaseException:
-            writer.close()
-            raise
-        if headers.get(b"connection", b"").lower() == b"close":
-            writer.close()
-        else:
-            self._idle.append((reader, writer))
-        return status, answer
-
-    def close(self) -> None:
-        while self._idle:
-            self._idle.pop()[1].close()
-
-
 class StatusConnection(KeepAlive):
-    """GET /v1/status on one keep-alive connection, each round trip timed (`times`)."""
-
-    def __init__(self, socket_path: str, timeout_s: float = 5.0) -> None:
-        super().__init__(socket_path, timeout_s)
-        self.times: list[float] = []
+    """GET /v1/status on one keep-alive connection."""
 
     def get(self) -> dict:
-        started = time.perf_counter()
         status, body = self.round_trip("GET", "/v1/status")
-        self.times.append(time.perf_counter() - started)
         if status != 200:
             raise BenchError(f"GET /v1/status: HTTP {status}: {body[:200]!r}")
         return json.loads(body)
@@ -382,10 +300,6 @@ class BenchDaemon(Daemon):
         self.status_conn = StatusConnection(self.socket, status_timeout_s)
         self.stop_note = ""
 
-    @property
-    def status_times(self) -> list[float]:
-        return self.status_conn.times
-
     def start(self, timeout_s: float | None = None, interval_s: float | None = None) -> None:
         """Run it; wait until all its engines are READY (BenchError with the log tail if not)."""
         timeout_s = self.start_timeout_s if timeout_s is None else timeout_s
@@ -410,16 +324,6 @@ class BenchDaemon(Daemon):
             wait_until(all_ready, timeout_s, f"{self.replicas} engines READY", interval_s)
         except (AssertionError, BenchError) as exc:
             raise BenchError(f"{exc}\n{self.log_tail()}") from None
-
-    def child_load_s(self, incarnation: int, name: str | None = None) -> float | None:
-        """The child's own import -> warm-up time, from its `[ready]` log line."""
-        name = name or self.watched
-        line = re.compile(rf"^\[ready\] {re.escape(name)} incarnation (\d+) loaded in "
-                          rf"([0-9.]+)s", re.M)
-        for inc, load_s in line.findall(self.log_text(name)):
-            if int(inc) == incarnation:
-                return float(load_s)
-        return None
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:

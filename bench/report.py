@@ -242,31 +242,3 @@ def counted(items: Iterable[str]) -> str:
         seen[item] = seen.get(item, 0) + 1
     return ", ".join(f"{k} ×{v}" for k, v in seen.items()) or DASH
 
-
-# --- transition (removed once every benchmark uses Report.header) -------------------------------
-def engined_revision() -> str:
-    return f"- engined: commit {revision()}"
-
-
-def machine_lines() -> list[str]:
-    return header_lines("python -m bench")[1:3]
-
-
-def load_average(when: str) -> str:
-    return f"- load average at {when}: {os.getloadavg()[0]:.2f} (1 min)"
-
-
-def title(text: str, quick: bool) -> str:
-    return f"# {text}{' (--quick)' if quick else ''}"
-
-
-def default_out(name: str, quick: bool) -> Path:
-    return RESULTS / (f"{name}-quick.md" if quick else f"{name}.md")
-
-
-def med_spread(values: Iterable[float | None], digits: int = 2) -> str:
-    vals = present(values)
-    if not vals:
-        return DASH
-    return sec(vals[0], digits) if len(vals) == 1 else \
-        f"{sec(statistics.median(vals), digits)} ({spread(vals, digits, '')})"

@@ -1,6 +1,6 @@
 """Supervision core: engined against the pidfd floor, supervisord and circus, side by side.
 
-    python -m bench.core [--quick] [-n KILLS] [--peers auto|require|none] [--out FILE]
+    python -m bench.core [--quick] [-n KILLS] [--require-peers] [--out FILE]
 
 The run: the peers' venvs, the observer, scenarios 1-3 and 4-5 (bench/core/scenarios.py), the
 tables, the summary of the targets and the method.
@@ -52,20 +52,20 @@ RECORDS = {ENGINED: "`last_exit.at` (GET /v1/status)", FLOOR: "its `exit` line",
            CIRCUS: "`reap` event's `time`", CIRCUS_FAST: "`reap` event's `time`"}
 
 
-def prepare_peers(mode: str) -> tuple[dict[str, Path | None], str]:
+def prepare_peers(require: bool) -> tuple[dict[str, Path | None], str]:
+    """Each peer's venv, made or reused; one that cannot be made is skipped (and said), or, with
+    `require`, fails the run."""
     venvs: dict[str, Path | None] = {}
     notes = []
     for peer, (dist, version) in PEERS.items():
-        venvs[peer] = None
-        if mode == "none":
-            notes.append(f"{peer}: skipped (--peers none)")
-            continue
         try:
-            venvs[peer], how = ensure_venv(dist, version)
-            notes.append(f"{peer}: `{dist}=={version}` in `{venvs[peer]}` ({how})")
+            path, how = ensure_venv(dist, version)
+            venvs[peer] = path
+            notes.append(f"{peer}: `{dist}=={version}` in `{path}` ({how})")
         except BenchError as exc:
-            if mode == "require":
+            if require:
                 raise
+            venvs[peer] = None
             notes.append(f"{peer}: SKIPPED, its venv could not be made: "
                          f"{str(exc).splitlines()[0]}")
     return venvs, "- peers: " + "; ".join(notes)
@@ -76,9 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="3 kills each, fleets of 20 children, 5 s idle, 3 status calls")
     parser.add_argument("-n", type=int, default=None, help="kills per supervisor (default 30)")
-    parser.add_argument("--peers", choices=("auto", "require", "none"), default="auto",
-                        help="auto: make or reuse the peers' venvs, skip (and say) a peer whose "
-                        "venv cannot be made; require: fail instead; none: engined and the floor")
+    parser.add_argument("--require-peers", action="store_true",
+                        help="fail when a peer's venv cannot be made (default: skip it)")
     add_out_option(parser, "core")
     args = parser.parse_args(argv)
     n = args.n or (3 if args.quick else 30)
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     r, tracker = Report(), Tracker()
     cleanup = Cleanup(tracker)
-    venvs, peers_line = prepare_peers(args.peers)
+    venvs, peers_line = prepare_peers(args.require_peers)
     events = ProcEvents.open()
     if events is not None:
         cleanup.closers.append(events.close)
@@ -223,24 +222,18 @@ def report_summary(r: Report, res: dict[str, Any], size: int) -> None:
 
 def report_method(r: Report, proc_events: bool) -> None:
     r("## Method", "",
-      "- engined: `python -m engined.supervisor.daemon -c SPEC` (testkit's daemon driver) with "
-      "`builtin:echo` engines started by exec, 1 s heartbeats, `backoff: {initial: 0s, max: 0s, "
-      "reset_after: 0s}` and `start_limit.burst: 1000000`: every restart immediate.",
-      "- floor: bench/core/floor.py (asyncio, pidfd, posix_spawn: it respawns inside its pidfd "
-      "callback), once with a sleeping interpreter, once with the very `python -m "
-      "engined.engine` echo child engined runs, against its engine channels bound by the bench.",
-      "- peers: pinned versions in their own venvs, run from their binaries with PYTHONPATH "
-      "removed, restart delay 0 (supervisord `autorestart=true, startsecs=0`; circus `respawn = "
-      "true, warmup_delay = 0`); their child is the floor's sleeping interpreter, and one more "
-      "supervisord runs engined's echo engine child, for a like-for-like detection.",
-      f"- Each kill: wait until the child is up (engined: READY; supervisord: RUNNING) plus "
+      "- engined runs `builtin:echo` engines started by exec, 1 s heartbeats, every restart "
+      "immediate (backoff 0, no start limit); the floor is bench/core/floor.py (asyncio, pidfd, "
+      "posix_spawn), with a sleeping interpreter and with engined's own echo engine child; the "
+      "peers run pinned versions from their own venvs, restart delay 0, the floor's sleeping "
+      "child (and one supervisord engined's echo engine child, for a like-for-like detection).",
+      f"- Each kill: the child up (engined: READY; supervisord: RUNNING) plus "
       f"{SETTLE_S * 1e3:.0f} ms (supervisord: + a random 0–1 s; circus: + a random "
-      "0–check_delay), take `time.time()` and CLOCK_MONOTONIC, `os.kill(pid, SIGKILL)`. " + (
+      "0–check_delay), then `time.time()`, CLOCK_MONOTONIC and `os.kill(pid, SIGKILL)`. " + (
           "The kernel's proc connector stamps the victim's exit and the replacement's fork; "
           "the bench sleeps through each kill and reads them afterwards." if proc_events else
           "No proc connector: a poller reads /proc/<supervisor>/task/<pid>/children."),
-      "- Every process is tracked and stopped by pid (SIGTERM, wait, SIGKILL); nothing is "
-      "killed by name.", "")
+      "- Every process is tracked and stopped by pid; nothing is killed by name.", "")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ directly, and how many requests an engine kill costs through it (`python -m benc
 bench/README.md).
 
 - `__main__`: the run, the summary of the targets and the method;
-- `paths`: the six paths a request takes (direct over ZeroMQ, the control socket, the gateway;
-  streamed and not), the direct engines and the daemon;
+- `paths`: the four paths a request takes (direct over ZeroMQ and the gateway, streamed and
+  not), the direct engines and the daemon;
 - `overhead`: the gateway's cost and time to first token;
 - `failover`: requests lost per engine kill, through the gateway and the control socket.
 """

@@ -20,17 +20,15 @@ from typing import Any
 
 import psutil
 
-from bench.common import Cleanup, Tracker
+from bench.common import Cleanup, Tracker, build_checkpoint
 from bench.gateway.failover import ECHO_TOKEN_MS, kill_trial, report_kills
 from bench.gateway.overhead import (
     OVERHEAD_TARGET_PCT,
     WARMUP_ROUNDS,
     overhead_scenario,
     report_overhead,
-    report_ttft,
 )
 from bench.gateway.paths import MAX_TOKENS, MODELS, PATH, GatewayDaemon
-from bench.models import build_checkpoint
 from bench.report import Report, add_out_option, machine_load, out_path, table
 
 PROG = "python -m bench.gateway"
@@ -102,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     r("## 1. Overhead vs talking to the engine directly (1 and 8 concurrent requests)", "")
     stats = {group: report_overhead(r, group, over["results"][group], rounds[group])
              for group in MODELS}
-    report_ttft(r, stats)
     lost_gw, lost_ctl, in_flight_ctl = report_kills(r, fail["trials"])
     report_summary(r, stats, lost_gw, lost_ctl, in_flight_ctl, len(fail["trials"]))
     report_method(r, over, fail)
@@ -131,28 +128,21 @@ def report_summary(r: Report, stats: dict[str, dict[tuple[int, str], dict[str, A
 def report_method(r: Report, over: dict[str, Any], fail: dict[str, Any]) -> None:
     notes = "; ".join(n for n in (over["stop_note"], fail["stop_note"]) if n)
     r("## Method", "",
-      "- **Direct** is the same engine without the daemon: an engine child connects one DEALER "
-      "to the ROUTER its daemon binds, so nothing else can reach the daemon's own child. The "
-      "bench runs `python -m engined.engine` with the same EngineConfig (max_batch_size 8, "
-      "threads 1) and the exec launcher's environment against `supervisor/ipc.py`'s own "
-      "`EngineChannels`, bound in a scratch directory, and sends `GenerateRequest` frames with "
-      "`EngineChannels.open`, the call the gateway's relay and the control socket make: direct "
-      "costs the ZeroMQ hop and the daemon's IPC code, none of its HTTP, routing or relay.",
-      "- A round is C requests (C = 1 or 8) sent at once on one path, timed from the first "
-      "send to the last answer; every path and concurrency runs one round in turn, the paths in "
-      f"a new seeded random order each time; {WARMUP_ROUNDS} warm-up rounds dropped. Overhead "
-      "= median round time over direct's − 1 (streamed paths against direct streamed); the "
-      "fastest-quarter column takes the mean of each path's fastest 25 % of rounds (load from "
-      "other processes only adds time). On-CPU per request: `/proc/PID/task/*/schedstat` of the "
-      "engine that served the path, the daemon and this process (the clients), per request.",
-      f"- Every request: the same equal-length prompts, max_tokens {MAX_TOKENS}, temperature 0. "
-      "All clients (aiohttp keep-alive sessions) run on one asyncio loop in this process, on "
-      "the same 2 CPUs as the daemon and the engines: their parsing is in every row, direct's "
-      "included. Compare rows of one run.",
-      f"- Every process is tracked and stopped by pid (SIGTERM, wait, SIGKILL). Unplanned "
-      f"restarts during the overhead rounds: {over['restarts']}; restarts of the failover "
-      f"daemon (the bench's kills included): {fail['restarts']}" + (f"; {notes}" if notes else "")
-      + ".", "")
+      "- **Direct** is the same engine without the daemon: `python -m engined.engine` with the "
+      "same EngineConfig and the exec launcher's environment, against `supervisor/ipc.py`'s own "
+      "`EngineChannels` bound by the bench, requests sent with `EngineChannels.open` (the "
+      "gateway relay's call): direct costs the ZeroMQ hop, none of the daemon's HTTP or routing.",
+      "- A round is C requests (1 or 8) sent at once on one path, timed to the last answer; "
+      "every path and concurrency runs one round in turn, the paths in a new seeded random "
+      f"order each time; {WARMUP_ROUNDS} warm-up rounds dropped. Overhead = median round time "
+      "over direct's − 1 (streamed paths against direct streamed); the fastest quarter of "
+      "rounds is the less noisy view on a shared machine. On-CPU per request: "
+      "`/proc/PID/task/*/schedstat` of the engine, the daemon and this process (the clients).",
+      f"- Equal-length prompts, max_tokens {MAX_TOKENS}, temperature 0; aiohttp clients on one "
+      "asyncio loop in this process, on the same 2 CPUs (their parsing is in every row).",
+      f"- Every process is tracked and stopped by pid. Unplanned restarts during the overhead "
+      f"rounds: {over['restarts']}; restarts of the failover daemon (the kills included): "
+      f"{fail['restarts']}" + (f"; {notes}" if notes else "") + ".", "")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """What the gateway costs against talking to the engine directly, at 1 and 8 concurrent
-requests, for tiny-llama and echo, on the six paths of bench/gateway/paths.py in a seeded random
-order each round: requests/s, latency, overhead vs direct, on-CPU time per request; and the
-streamed paths' time to first token.
+requests, for tiny-llama and echo, on the four paths of bench/gateway/paths.py in a seeded random
+order each round: requests/s, latency, overhead vs direct, on-CPU time per request.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ async def overhead_scenario(cleanup: Cleanup, tracker: Tracker, cache: Path,
     try:
         await asyncio.gather(asyncio.to_thread(cleanup.start, daemon, 300),
                              direct.start({g: m for g, (m, _) in MODELS.items()}))
-        clients = Clients(direct, daemon.socket, daemon.gateway_port)
+        clients = Clients(direct, daemon.gateway_port)
         try:
             rng = random.Random(seed)
             engines = {e["name"]: e["pid"] for e in daemon.status()["engines"]}
@@ -103,13 +102,12 @@ async def overhead_scenario(cleanup: Cleanup, tracker: Tracker, cache: Path,
 # --- report ---------------------------------------------------------------------------------------
 def summarize(rounds: list[Round]) -> dict[str, Any]:
     latencies = [s.latency_s for r in rounds for s in r.samples]
-    ttfts = [s.ttft_s for r in rounds for s in r.samples if s.ttft_s is not None]
     elapsed = statistics.median(r.elapsed_s for r in rounds)
     fastest = sorted(r.elapsed_s for r in rounds)[:max(1, len(rounds) // 4)]
     return {"elapsed": elapsed, "fastest": statistics.fmean(fastest),
             "rps": len(rounds[0].samples) / elapsed,
             "p50": quantile(latencies, 0.5), "p95": quantile(latencies, 0.95),
-            "ttft50": quantile(ttfts, 0.5), "ttft95": quantile(ttfts, 0.95), "n": len(latencies),
+            "n": len(latencies),
             "cpu": [statistics.median(r.cpu_s[k] for r in rounds) / len(rounds[0].samples)
                     for k in range(3)],
             "tokens": statistics.median(s.tokens for r in rounds for s in r.samples)}
@@ -135,25 +133,3 @@ def report_overhead(r: Report, group: str, res: dict[tuple[int, str], list[Round
               + f" ms | {s['tokens']:.0f} | {s['n']} |")
     r("")
     return stats
-
-
-def report_ttft(r: Report, stats: dict[str, dict[tuple[int, str], dict[str, Any]]]) -> None:
-    r("## 2. Time to first token (streamed paths)", "",
-      *table("model", "concurrency", "path", "TTFT p50", "TTFT p95", "vs direct (p50)",
-             "requests"))
-    for group in MODELS:
-        for c in CONCURRENCY:
-            base = stats[group][(c, "direct-stream")]
-            for p in PATHS:
-                if not p.streamed:
-                    continue
-                s = stats[group][(c, p.key)]
-                is_base = p.key == "direct-stream"
-                r(f"| {group} | {c} | {p.label}{' (baseline)' if is_base else ''} | "
-                  f"{ms(s['ttft50'])} | {ms(s['ttft95'])} | "
-                  f"{'–' if is_base else ms(s['ttft50'] - base['ttft50']) + ' later'} | "
-                  f"{s['n']} |")
-    r("", "TTFT: from the send to the first token event (direct: the first `TokenChunk`; "
-      "control socket: the first NDJSON line; gateway: the first SSE chunk with a choice, which "
-      "it sends for the engine's first token). builtin:echo without a token delay emits its "
-      "whole answer in one step, so its first token is also nearly its last.", "")

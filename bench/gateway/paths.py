@@ -1,7 +1,7 @@
-"""The paths a request takes to an engine: the workload (prompts, models, max_tokens), the six
-paths (direct over ZeroMQ, the control socket, the gateway; each streamed and not), `Direct` (the
-daemon's own engine channels in this process, with engine children of their own), `GatewayDaemon`
-(engined with the gateway on a free port) and `Clients` (one request on any path).
+"""The paths a request takes to an engine: the workload (prompts, models, max_tokens), the four
+paths (direct over ZeroMQ and the gateway, each streamed and not), `Direct` (the daemon's own
+engine channels in this process, with engine children of their own), `GatewayDaemon` (engined
+with the gateway on a free port) and `Clients` (one request on any path).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ class Sample:
     latency_s: float
     tokens: int
     text: str
-    ttft_s: float | None = None  # streamed paths: send -> first token event
 
 
 @dataclass
@@ -84,8 +83,6 @@ class Route:
 PATHS = [
     Route("direct", "direct: engine protocol over ZeroMQ", False),
     Route("direct-stream", "direct: engine protocol over ZeroMQ, streamed", True),
-    Route("control", "control socket `POST /v1/generate`", False),
-    Route("control-stream", "control socket `POST /v1/generate`, streamed (NDJSON)", True),
     Route("gateway", "gateway `/v1/completions` (aiohttp)", False),
     Route("gateway-stream", "gateway `/v1/completions`, streamed SSE (aiohttp)", True),
 ]
@@ -194,22 +191,17 @@ class GatewayDaemon(BenchDaemon):
 
 # --- one request on each path ---------------------------------------------------------------------
 class Clients:
-    """One keep-alive aiohttp session on the control socket, one on the gateway, and the direct
-    channels."""
+    """One keep-alive aiohttp session on the gateway, and the direct channels."""
 
-    def __init__(self, direct: Direct, socket_path: str, gateway_port: int) -> None:
+    def __init__(self, direct: Direct, gateway_port: int) -> None:
         import aiohttp
 
-        timeout = aiohttp.ClientTimeout(total=300)
         self.direct = direct
-        self.control = aiohttp.ClientSession(connector=aiohttp.UnixConnector(
-            path=socket_path, limit=0, keepalive_timeout=5), timeout=timeout)
         self.gateway = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=5), timeout=timeout)
+            limit=0, keepalive_timeout=5), timeout=aiohttp.ClientTimeout(total=300))
         self.base = f"http://127.0.0.1:{gateway_port}/v1"
 
     async def close(self) -> None:
-        await self.control.close()
         await self.gateway.close()
 
     async def one(self, path: str, group: str, prompt: str) -> Sample:
@@ -218,58 +210,24 @@ class Clients:
     async def _direct(self, group: str, prompt: str, stream: bool = False) -> Sample:
         from engined.engine import protocol as proto
         started = time.perf_counter()
-        ttft, parts = None, []
+        parts = []
         s = self.direct.open(group, prompt, stream)
         try:
             async for item in s:
                 if isinstance(item, proto.TokenChunk):
-                    if ttft is None:
-                        ttft = time.perf_counter() - started
                     parts.append(item.text)
                     continue
                 if item.error is not None:
                     raise BenchError(f"direct {group}: {item.error}")
                 parts.append(item.text)
                 return Sample(time.perf_counter() - started, item.completion_tokens,
-                              "".join(parts), ttft)
+                              "".join(parts))
         finally:
             s.close()
         raise BenchError(f"direct {group}: the stream ended without a result")
 
     async def _direct_stream(self, group: str, prompt: str) -> Sample:
         return await self._direct(group, prompt, stream=True)
-
-    def _control_body(self, group: str, prompt: str, stream: bool) -> dict[str, Any]:
-        return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "engine": f"{group}-0", "stream": stream}
-
-    async def _control(self, group: str, prompt: str) -> Sample:
-        started = time.perf_counter()
-        async with self.control.post("http://engined/v1/generate",
-                                     json=self._control_body(group, prompt, False)) as resp:
-            data = await resp.json()
-            if resp.status != 200:
-                raise BenchError(f"POST /v1/generate: HTTP {resp.status}: {data}")
-        return Sample(time.perf_counter() - started, data["completion_tokens"], data["text"])
-
-    async def _control_stream(self, group: str, prompt: str) -> Sample:
-        started = time.perf_counter()
-        ttft, parts = None, []
-        async with self.control.post("http://engined/v1/generate",
-                                     json=self._control_body(group, prompt, True)) as resp:
-            if resp.status != 200:
-                raise BenchError(f"POST /v1/generate: HTTP {resp.status}: {await resp.text()}")
-            async for line in resp.content:
-                data = json.loads(line)
-                if "error" in data:
-                    raise BenchError(f"POST /v1/generate (stream): {data['error']}")
-                parts.append(data["text"])
-                if data.get("done"):
-                    return Sample(time.perf_counter() - started, data["completion_tokens"],
-                                  "".join(parts), ttft)
-                if ttft is None:
-                    ttft = time.perf_counter() - started
-        raise BenchError("POST /v1/generate (stream): no last line")
 
     def _gateway_body(self, group: str, prompt: str, stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {"model": group, "prompt": prompt, "max_tokens": MAX_TOKENS,
@@ -290,7 +248,7 @@ class Clients:
 
     async def _gateway_stream(self, group: str, prompt: str) -> Sample:
         started = time.perf_counter()
-        ttft, parts, tokens = None, [], -1
+        parts, tokens = [], -1
         async with self.gateway.post(f"{self.base}/completions",
                                      json=self._gateway_body(group, prompt, True)) as resp:
             if resp.status != 200:
@@ -300,13 +258,11 @@ class Clients:
                     continue
                 payload = line[6:].strip()
                 if payload == b"[DONE]":
-                    return Sample(time.perf_counter() - started, tokens, "".join(parts), ttft)
+                    return Sample(time.perf_counter() - started, tokens, "".join(parts))
                 data = json.loads(payload)
                 if "error" in data:
                     raise BenchError(f"gateway (stream): {data['error']}")
                 if data.get("choices"):
-                    if ttft is None:
-                        ttft = time.perf_counter() - started
                     parts.append(data["choices"][0]["text"])
                 if data.get("usage"):
                     tokens = data["usage"]["completion_tokens"]

@@ -1,132 +1,149 @@
-"""Fast recovery: engines forked from a preloaded fork server against engines started by exec.
+"""Recovery and upgrade gaps: an engine's crash by launcher and with a warm standby, and new
+engined code put in place under load.
 
-    python -m bench.recovery [--quick] [--out FILE] [-n KILLS] [--vllm-python PATH]
+    python -m bench.recovery [--quick] [-n KILLS] [--rounds N] [--vllm-python PATH] [--no-vllm]
 
-The run: the options and the vLLM interpreter (without one, the vLLM part is skipped and the
-report says so), tiny-llama then the vLLM backend (bench/recovery/run.py), then the report
-(bench/recovery/tables.py). The sections are described in bench/recovery/__init__.py.
+The run: for tiny-llama, then the vLLM backend (a full run; without its interpreter it is skipped
+and the report says so), an exec and a forkserver daemon side by side (sections 1-2), then a
+standby daemon (section 3); then the upgrade rounds (section 4, bench/recovery/upgrade.py); the
+tables and the summary of the targets.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import subprocess
 import sys
-import tempfile
 from importlib.metadata import version
-from pathlib import Path
 
 import psutil
 
-from bench.common import HEARTBEATS, BenchError, Cleanup, Tracker
-from bench.models import build_checkpoint
-from bench.recovery.daemon import REPLICAS, tiny_backend, vllm_backend, warm_vllm_imports
-from bench.recovery.run import Run, run_backend
+from bench.common import BenchError, Cleanup, Tracker, build_checkpoint
+from bench.recovery.daemon import (
+    LAUNCHERS,
+    REPLICAS,
+    Backend,
+    Daemon,
+    Generate,
+    tiny_backend,
+    vllm_backend,
+)
+from bench.recovery.measure import kill_once, measure_memory, teardown_floor
 from bench.recovery.tables import (
+    Run,
     report_crash,
     report_memory,
     report_standby,
-    report_startup,
     report_summary,
 )
-from bench.report import (
-    Report,
-    add_out_option,
-    cpu_busy_pct,
-    engined_revision,
-    load_average,
-    machine_lines,
-    out_path,
-    title,
-)
-from bench.vllm.engine import default_vllm_python, vllm_versions
-from testkit.driver import VLLM_PYTHON_ENV
+from bench.recovery.upgrade import LABELS, Round, report_upgrade, upgrade_section
+from bench.report import Report, add_out_option, cpu_busy_pct, med, out_path
+from bench.vllm.engine import default_vllm_python, serve_env, vllm_versions
+
+PROG = "python -m bench.recovery"
+
+
+def run_backend(backend: Backend, n: int, cleanup: Cleanup) -> Run:
+    """The exec and the forkserver daemon (started one after the other: each start has the
+    machine to itself), kills alternating between them, their memory; then the standby daemon
+    and the kernel's teardown floor."""
+    daemons = {x: cleanup.start(Daemon(backend, x, cleanup.tracker)) for x in LAUNCHERS}
+    gens = {x: Generate(d.socket) for x, d in daemons.items()}
+    cleanup.closers.extend(g.close for g in gens.values())
+    kills: dict[str, list] = {x: [] for x in LAUNCHERS}
+    for i in range(n):
+        for x in (LAUNCHERS if i % 2 == 0 else LAUNCHERS[::-1]):
+            kills[x].append(kill_once(daemons[x], gens[x]))
+    run = Run(backend, kills, {x: measure_memory(daemons[x], gens[x]) for x in LAUNCHERS})
+    for x in LAUNCHERS:
+        gens[x].close()
+        cleanup.stop(daemons[x])  # its memory back before the next daemon starts
+    d = cleanup.start(Daemon(backend, "forkserver", cleanup.tracker, standby=1))
+    gen = Generate(d.socket)
+    cleanup.closers.append(gen.close)
+    run.promotions = [kill_once(d, gen, f"{backend.group}-standby-0") for _ in range(n)]
+    own = med(p.victim_uss_mb for p in run.promotions) or 1.0
+    mapped = med(p.victim_rss_mb for p in run.promotions) or own
+    run.floor = teardown_floor(own, max(0.0, mapped - own), cleanup.tracker)
+    gen.close()
+    cleanup.stop(d)
+    return run
+
+
+def vllm_python(args: argparse.Namespace) -> tuple[str, str | None, str]:
+    """(the interpreter, why the vLLM part is skipped or None, its versions)."""
+    python = args.vllm_python or default_vllm_python()
+    if args.no_vllm or args.quick:
+        return python, "--quick (the full run measures it)" if args.quick else "--no-vllm", ""
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        return python, f"no vLLM interpreter at {python}", ""
+    try:
+        return python, None, vllm_versions(python)
+    except BenchError as exc:
+        return python, f"the vLLM interpreter does not run: {str(exc)[:200]}", ""
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.recovery",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="2 tiny-llama kills per launcher, 1 vLLM kill (if its interpreter "
-                             "exists)")
-    add_out_option(parser, "recovery")
+                        help="tiny-llama only, 2 kills per launcher; 1 upgrade round of each, "
+                        "4 clients")
     parser.add_argument("-n", type=int, default=None,
-                        help="kills per launcher per backend (default 5; --quick: 2 tiny-llama, "
-                             "1 vLLM)")
+                        help="kills per launcher and promotions, per backend (default 5)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="upgrade rounds of each scenario (default 5)")
     parser.add_argument("--vllm-python", default=None,
-                        help=f"the vLLM venv's interpreter (default ${VLLM_PYTHON_ENV}, else "
-                             f"<repo>/.venv-vllm/bin/python)")
+                        help="the vLLM venv's interpreter (default $ENGINED_VLLM_PYTHON, else "
+                        "<repo>/.venv-vllm/bin/python)")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM backend")
-    parser.add_argument("--cache-dir", default=None,
-                        help="ENGINED_CACHE_DIR for the model (default: a fresh temporary one)")
+    add_out_option(parser, "recovery")
     args = parser.parse_args(argv)
-    n_tiny = args.n or (2 if args.quick else 5)
-    n_vllm = args.n or (1 if args.quick else 5)
-    out = out_path(args, "recovery")
-
-    python = args.vllm_python or default_vllm_python()
-    skipped: str | None = None
-    versions = ""
-    if args.no_vllm:
-        skipped = "--no-vllm"
-    elif not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        skipped = (f"no vLLM interpreter at {python} (--vllm-python, or set "
-                   f"{VLLM_PYTHON_ENV})")
-    else:
-        try:
-            versions = vllm_versions(python)
-        except BenchError as exc:
-            skipped = f"the vLLM interpreter does not run: {str(exc)[:200]}"
+    n = args.n or (2 if args.quick else 5)
+    rounds, clients = args.rounds or (1 if args.quick else 5), 4 if args.quick else 8
+    python, skipped, versions = vllm_python(args)
 
     r, tracker = Report(), Tracker()
     cleanup = Cleanup(tracker)
-    cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="engined-bench-cache-"))
-    if args.cache_dir is None:
-        cleanup.dirs.append(cache)
-    runs: list[Run] = []
+    cache = cleanup.scratch("erc")
     cpu_start = psutil.cpu_times()
+    r.header("engined recovery: crash by launcher, warm standby, upgrade under load", args.quick,
+             PROG, f"- kills per launcher and promotions: {n} per backend; upgrade rounds: "
+             f"{rounds} of each scenario, {clients} clients",
+             f"- tiny-llama: torch {version('torch')}, transformers {version('transformers')}; "
+             "builtin:tiny-llama, float32, CPU, threads 1, max_batch_size 8",
+             f"- vLLM backend: {python} ({versions}), bench.vllm's engine" if skipped is None
+             else f"- vLLM backend: **skipped**: {skipped}")
     try:
-        r(title("engined fast-recovery benchmark: fork server vs exec", args.quick), "",
-          *machine_lines(), engined_revision(), load_average("start"),
-          f"- kills per launcher: tiny-llama {n_tiny}"
-          + (f", vLLM {n_vllm}" if skipped is None else "")
-          + f"; {REPLICAS} replicas per daemon; heartbeats every "
-          f"{HEARTBEATS['heartbeat_interval']}, restarts immediate (backoff 0)")
-        checkpoint = build_checkpoint(cache)  # untimed, exactly as an engine would on first use
-        r(f"- tiny-llama: torch {version('torch')}, transformers {version('transformers')}; "
-          f"builtin:tiny-llama ({checkpoint.name}), float32, CPU, threads 1, max_batch_size 8")
-        if skipped is None:
-            r(f"- vLLM backend: {python} ({versions}); the same checkpoint, engine_args "
-              f"{{enforce_eager: true, max_model_len: 1024}}, VLLM_CPU_KVCACHE_SPACE=1, "
-              f"threads 1, max_batch_size 8")
-        else:
-            r(f"- vLLM backend: **skipped**: {skipped}")
-        r("")
-        runs.append(run_backend(tiny_backend(cache), n_tiny, cleanup, tracker))
-        if skipped is None:
-            warm_s = warm_vllm_imports(python)
-            print(f"(page cache warmed: `import vllm` took {warm_s:.1f} s, untimed)",
-                  file=sys.stderr, flush=True)
-            runs.append(run_backend(vllm_backend(python, cache), n_vllm, cleanup, tracker))
+        build_checkpoint(cache)  # untimed, as an engine would on first use
+        runs = [run_backend(tiny_backend(cache), n, cleanup)]
+        if skipped is None:  # vLLM's files read once, untimed: no daemon pays for a cold cache
+            subprocess.run([python, "-c", "import vllm.v1.engine.llm_engine"], cwd="/tmp",
+                           env=serve_env(), capture_output=True, timeout=600, check=True)
+            runs.append(run_backend(vllm_backend(python, cache), n, cleanup))
+        upgrades = upgrade_section(cleanup, cache, rounds, clients, args.quick)
     finally:
         leftovers = cleanup.close()
-
-    busy = cpu_busy_pct(cpu_start)
-    pids = ", ".join(f"{run.backend.key} {kind} {pid}" for run in runs
-                     for kind, pid in run.daemon_pids.items())
+    r(f"- all CPUs {cpu_busy_pct(cpu_start):.0f} % busy during the run", "")
     report_crash(r, runs, skipped)
-    totals = report_memory(r, runs, skipped)
-    report_startup(r, runs, skipped)
-    report_standby(r, runs, skipped)
-    report_summary(r, runs, skipped, totals)
-    notes = [f"{run.backend.label} {x}: {d.stop_note}" for run in runs
-             for x, d in run.daemons.items() if d.stop_note]
-    r(f"- daemon pids: {pids}",
-      f"{load_average('end')}; all CPUs {busy:.0f} % busy "
-      f"during the run; processes left over and killed by pid: {leftovers or 'none'}"
-      + (f"; {'; '.join(notes)}" if notes else ""))
-    r.write(out)
-    return 0  # a report, not a gate: the verdicts are in the summary
+    fleet = report_memory(r, runs)
+    report_standby(r, runs)
+    report_upgrade(r, upgrades, clients)
+    report_summary(r, runs, skipped, fleet, upgrade_summary(upgrades))
+    return r.finish(leftovers, out_path(args, "recovery"))
+
+
+def upgrade_summary(rounds: dict[str, list[Round]]) -> dict[str, str]:
+    out = {}
+    for key, label in LABELS.items():
+        xs = rounds[key]
+        gap = [x.facts["gap_s"] for x in xs if x.facts.get("gap_s") is not None]
+        out[label] = (f"gap {statistics.median(gap):.3f} s, " if gap else "") + (
+            f"{statistics.median(len(x.failed()) for x in xs):.0f} requests failed, "
+            f"{statistics.median(x.engines_kept for x in xs):.0f} of {REPLICAS} engines kept "
+            "(medians)")
+    return out
 
 
 if __name__ == "__main__":

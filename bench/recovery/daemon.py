@@ -7,24 +7,16 @@
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import BenchDaemon, BenchError, KeepAlive, Tracker
+from bench.common import BenchDaemon, KeepAlive, Tracker
 from bench.vllm.engine import engine_spec as vllm_engine_spec
-from bench.vllm.engine import serve_env
 
 LAUNCHERS = ("exec", "forkserver")
 REPLICAS = 2  # per daemon: sharing between forked siblings shows in their PSS
-SETTLE_S = 0.5  # after READY (and the other daemon's restart) before a kill
-POLL_S = 0.01  # generate retries; status every STATUS_EVERY-th round
-STATUS_EVERY = 2  # → a 20 ms status poll
 PROMPT = "recovery benchmark: the quick brown fox"
-MB = 1e6
 
 
 # --- the two backends -----------------------------------------------------------------------------
@@ -42,7 +34,7 @@ class Backend:
 
 
 def tiny_backend(cache: Path) -> Backend:
-    """bench/llm.py's replica (1 thread, max_batch_size 8), two of them."""
+    """Two replicas of 1 thread, max_batch_size 8."""
     return Backend("tiny", "tiny-llama (transformers)", {
         "name": "tiny", "replicas": REPLICAS, "model": "builtin:tiny-llama", "max_batch_size": 8,
         "threads": 1, "env": {"ENGINED_CACHE_DIR": str(cache)}}, 300.0, 120.0)
@@ -53,17 +45,6 @@ def vllm_backend(python: str, cache: Path) -> Backend:
     VLLM_CPU_KVCACHE_SPACE=1; 1 thread, max_batch_size 8), two replicas."""
     spec = {**vllm_engine_spec(python, cache), "replicas": REPLICAS}
     return Backend("vllm", "vLLM backend (`backend: vllm`)", spec, 600.0, 300.0)
-
-
-def warm_vllm_imports(python: str) -> float:
-    """One untimed `import vllm` in a throwaway process: the page cache holds vLLM's files
-    before either daemon starts (the first daemon would read them from disk otherwise)."""
-    started = time.monotonic()
-    done = subprocess.run([python, "-c", "import vllm.v1.engine.llm_engine"], cwd="/tmp",
-                          env=serve_env(), capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise BenchError(f"`import vllm` failed in {python}:\n{done.stderr[-2000:]}")
-    return time.monotonic() - started
 
 
 # --- the daemon -----------------------------------------------------------------------------------
@@ -86,12 +67,9 @@ class Daemon(BenchDaemon):
         self.log_engines = (f"{backend.group}-0",) + (
             ("forkserver",) if launcher == "forkserver" else ())
         self.server_pids: set[int] = set()
-        self.start_wall_s: float | None = None
 
     def start(self, timeout_s: float | None = None, interval_s: float = 0.05) -> None:
-        started = time.monotonic()
         super().start(timeout_s or self.backend.start_timeout_s, interval_s)
-        self.start_wall_s = time.monotonic() - started
         self.fork_servers()
 
     def wait_ready(self, min_incarnation: int, timeout_s: float | None = None,
@@ -107,14 +85,6 @@ class Daemon(BenchDaemon):
                 self.server_pids.add(s["pid"])
                 self.tracker.add(s["pid"])
         return servers
-
-    def child_load_s(self, name: str, incarnation: int) -> float | None:
-        """The child's own build → warm-up time, from its `[ready]` log line."""
-        pattern = rf"^\[ready\] {re.escape(name)} incarnation (\d+) loaded in ([0-9.]+)s"
-        for inc, load_s in re.findall(pattern, self.log_text(name), re.M):
-            if int(inc) == incarnation:
-                return float(load_s)
-        return None
 
 
 class Generate(KeepAlive):

@@ -1,18 +1,16 @@
-"""Section 5, measured: vLLM's own serving benchmark (`vllm.benchmarks.serve`, what `vllm bench
-serve` runs) against three servers of the same tiny-llama, all up at once, one measured at a
-time: `vllm serve` on its own, engined's gateway in front of a `backend: vllm` engine, and
-engined's gateway in front of that same `vllm serve` run as a command engine. Random prompts,
-fixed input and output lengths (`--ignore-eos`: every request makes exactly that many tokens),
-greedy, at 8 and 32 requests in flight (`--max-concurrency`); vLLM's figures are read from its
+"""Section 2: vLLM's own serving benchmark (`vllm.benchmarks.serve`, what `vllm bench serve`
+runs) against three servers of the same tiny-llama, all up at once, one measured at a time:
+`vllm serve` alone, engined's gateway in front of a `backend: vllm` engine, and engined's gateway
+in front of that same `vllm serve` as a command engine. Random prompts, fixed input and output
+lengths (`--ignore-eos`), greedy, 8 and 32 requests in flight; vLLM's figures are read from its
 `--save-result` JSON. Reported by bench/vllm/serving_report.py.
 
 The client is one process under the vLLM interpreter (`CLIENT`: vLLM's `add_cli_args` and
 `main`, as tests/vllm drives it; the CPU wheel's `vllm` command cannot read its own version) that
 runs every measurement in turn, so vLLM is imported once and never during a run. Each run starts
-SETTLE_S after the previous one, with vLLM's own warm-up (`--num-warmups C`: one wave of C
-requests at the run's concurrency), then the measured requests. The order (`schedule`): every
-permutation of the three targets, one per round, so that over six rounds each runs in every
-position and after each other target equally often.
+SETTLE_S after the previous one, with vLLM's own warm-up (`--num-warmups C`), then the measured
+requests. The order (`schedule`): every permutation of the three targets, one per round, so that
+over six rounds each runs in every position and after each other target equally often.
 """
 
 from __future__ import annotations
@@ -28,33 +26,16 @@ from typing import Any
 
 import psutil
 
-from bench.common import BenchDaemon, BenchError, Cleanup, Tracker
-from bench.report import cpu_busy_pct
-from bench.vllm.engine import GROUP, START_TIMEOUT_S, engine_spec, serve_env
-from bench.vllm.served import SERVED, served_spec
-from bench.vllm.server import VllmServe, post_json
-from testkit.driver import free_port
+from bench.common import BenchError
+from bench.vllm.engine import GROUP, SERVED, Daemon, VllmServe, serve_env
 
 CONCURRENCY = (8, 32)
-SEQS = max(CONCURRENCY)  # max_num_seqs of every target: the highest concurrency runs as a batch
-# `vllm serve`'s arguments, the bare server's and the command engine's alike: the engine
-# arguments of engined's `backend: vllm` engine (etc/examples/vllm-cpu.yaml's engine_args and
-# max_batch_size = max_num_seqs). Log stats stay on, `vllm serve`'s default: the command engine
-# needs them (`progress: vllm` reads vLLM's Prometheus counters), and the bare server is the same
-# argv. engined's in-process engine keeps its own default (disable_log_stats: it reads the
-# scheduler directly).
-SERVE_ARGS = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", str(SEQS)]
 TARGETS = ("serve", "backend", "command")
-# Every order of the three: over six rounds each target runs first, second and third twice at
-# every concurrency, and right after each of the other two equally often (a run's predecessor
-# matters: vLLM's Worker spins for about a second after its last request)
 ORDERS = list(itertools.permutations(TARGETS))
 SETTLE_S = 3.0  # the pause before each run, untimed: the previous target's processes go idle
-# vLLM's serving benchmark, as every run calls it (the capitals are the run's values): random
-# prompts of L tokens, L tokens out whatever the model says (`--ignore-eos`), greedy, N requests
-# C at a time after C warm-up requests. The seed is the run's place in the schedule (1 + round x
-# concurrencies + k): every target gets the same prompts at the same round and concurrency, and
-# no run meets prompts that an earlier one left in a server's prefix cache
+# vLLM's serving benchmark, as every run calls it (the capitals are the run's values); the seed
+# is the run's place in the schedule: every target gets the same prompts at the same round and
+# concurrency, and no run meets prompts an earlier one left in a server's prefix cache
 CLIENT_FLAGS = ["--backend", "openai", "--endpoint", "/v1/completions", "--base-url", "URL",
                 "--model", "MODEL", "--tokenizer", "MODEL_DIR", "--dataset-name", "random",
                 "--random-input-len", "L", "--random-output-len", "L", "--ignore-eos",
@@ -62,20 +43,13 @@ CLIENT_FLAGS = ["--backend", "openai", "--endpoint", "/v1/completions", "--base-
                 "--num-warmups", "C", "--seed", "SEED", "--disable-tqdm", "--save-result",
                 "--save-detailed", "--result-dir", "DIR", "--result-filename", "NAME.json"]
 DIGEST = {  # what a run keeps of vLLM's result JSON
-    "duration": "duration", "completed": "completed", "failed": "failed",
-    "input_tokens": "total_input_tokens", "output_tokens": "total_output_tokens",
+    "completed": "completed", "failed": "failed", "input_tokens": "total_input_tokens",
     "request_throughput": "request_throughput", "output_throughput": "output_throughput",
     "median_ttft_ms": "median_ttft_ms", "p99_ttft_ms": "p99_ttft_ms",
-    "median_tpot_ms": "median_tpot_ms", "median_itl_ms": "median_itl_ms",
-    "p99_itl_ms": "p99_itl_ms", "max_concurrent_requests": "max_concurrent_requests"}
-
-# Where CPU time goes, by process group (`ROLES`: the pids of each, given to the client).
-ROLES = ("client", "daemon", "engine", "served", "serve")
-# The client: one process, every run in turn ({roles, runs: [{name, argv}]}); per run a RUN line
-# with its wall times, how busy the machine's CPUs were, how much of that was not the
-# benchmark's own processes (the bench's process tree: the client, every server, the daemon and
-# its engines), i.e. the load others put on a shared machine during the run, and the CPU seconds
-# of each role; or the error the run raised.
+    "median_tpot_ms": "median_tpot_ms", "median_itl_ms": "median_itl_ms"}
+# The client: one process, every run in turn ({runs: [{name, argv}], settle_s}); per run a RUN line
+# with its wall times, how busy the machine's CPUs were, how much of that was not the bench's own
+# process tree (the load others put on a shared machine).
 CLIENT = """
 import json, os, sys, time, traceback
 import psutil
@@ -83,8 +57,6 @@ from vllm.benchmarks.serve import add_cli_args, main
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 plan = json.load(open(sys.argv[1]))
-role_of = {pid: role for role, pids in plan["roles"].items() for pid in pids}
-role_of[os.getpid()] = "client"
 
 def ours():
     root = psutil.Process(os.getppid())
@@ -115,11 +87,7 @@ for run in plan["runs"]:
     total = sum(cpu1) - sum(cpu0)
     busy = busy_s(cpu1) - busy_s(cpu0)
     own = sum(v - own0.get(k, 0.0) for k, v in own1.items())
-    roles = {}
-    for (pid, created), v in own1.items():
-        role = role_of.get(pid, "other")
-        roles[role] = roles.get(role, 0.0) + v - own0.get((pid, created), 0.0)
-    line = {"name": run["name"], "t0": t0, "t1": t1, "error": error, "cpu_s": roles,
+    line = {"name": run["name"], "t0": t0, "t1": t1, "error": error,
             "cpu_busy_pct": 100.0 * busy / max(total, 1e-9),
             "others_pct": 100.0 * max(0.0, busy - own) / max(total, 1e-9)}
     print("RUN " + json.dumps(line), flush=True)
@@ -156,30 +124,6 @@ class Target:
     key: str
     url: str
     model: str
-
-
-class ServingDaemon(BenchDaemon):
-    """engined with two groups behind its gateway (free loopback port), in /tmp/evsXXXXXXXX:
-    `vllm` (`backend: vllm`: vLLM's engine in engined's engine child) and `served` (`vllm serve`
-    as a command engine, `progress: vllm`)."""
-
-    log_lines = 30
-    log_engines = (f"{GROUP}-0", f"{SERVED}-0")
-    start_timeout_s, start_interval_s = START_TIMEOUT_S, 0.05
-    ready_timeout_s, ready_interval_s = START_TIMEOUT_S, 0.02
-
-    def __init__(self, engines: list[dict[str, Any]], tracker: Tracker) -> None:
-        self.gateway_port = free_port()
-        super().__init__("evs", tracker, engines, status_timeout_s=10.0,
-                         supervisor={"gateway": f"127.0.0.1:{self.gateway_port}"})
-
-
-def serving_engines(python: str, cache: Path, checkpoint: Path, cwd: Path
-                    ) -> list[dict[str, Any]]:
-    """The two groups: engine_spec()'s engine with max_batch_size SEQS, and section 4's command
-    engine with SERVE_ARGS."""
-    backend = {**engine_spec(python, cache), "max_batch_size": SEQS}
-    return [backend, served_spec(python, checkpoint, cwd, SERVE_ARGS)]
 
 
 def client_argv(target: Target, tokenizer: Path, c: int, n: int, length: int, seed: int,
@@ -221,30 +165,13 @@ def digest(result: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     out["wall_s"] = run["t1"] - run["t0"]
     out["cpu_busy_pct"] = run["cpu_busy_pct"]
     out["others_pct"] = run["others_pct"]
-    out["cpu_s"] = run["cpu_s"]
     return out
 
 
-def notes_of(stdout: str) -> dict[str, list[str]]:
-    """The client's warnings per run (between its BEGIN lines): the prompt alignment with the
-    server's /tokenize (vLLM's `_align_prompts_to_server_tokenizer`) and anything else it warns
-    about that concerns requests."""
-    notes: dict[str, list[str]] = {}
-    current = None
-    for line in stdout.splitlines():
-        if line.startswith("BEGIN "):
-            current = line[6:].strip()
-            notes[current] = []
-        elif current and line.startswith("WARNING: ") and "temperature" not in line:
-            if line not in notes[current]:
-                notes[current].append(line.strip())
-    return notes
-
-
-def run_client(python: str, runs: list[dict[str, Any]], roles: dict[str, list[int]],
-               scratch: Path, timeout_s: float) -> tuple[list[dict[str, Any]], str]:
+def run_client(python: str, runs: list[dict[str, Any]], scratch: Path, timeout_s: float
+               ) -> list[dict[str, Any]]:
     plan = scratch / "serving-runs.json"
-    plan.write_text(json.dumps({"roles": roles, "runs": runs, "settle_s": SETTLE_S}))
+    plan.write_text(json.dumps({"runs": runs, "settle_s": SETTLE_S}))
     log = scratch / "serving-client.log"
     env = {**serve_env(), "TMPDIR": str(scratch)}
     try:
@@ -260,7 +187,7 @@ def run_client(python: str, runs: list[dict[str, Any]], roles: dict[str, list[in
         raise BenchError(f"vLLM's serving benchmark exited with {done.returncode} after "
                          f"{len(lines)} of {len(runs)} runs:\n{done.stdout[-3000:]}\n"
                          f"{done.stderr[-3000:]}")
-    return lines, done.stdout
+    return lines
 
 
 def processes(pid: int, tree: bool = True) -> list[str]:
@@ -278,72 +205,24 @@ def processes(pid: int, tree: bool = True) -> list[str]:
     return out
 
 
-def tree_pids(pid: int) -> list[int]:
-    root = psutil.Process(pid)
-    return [root.pid, *(p.pid for p in root.children(recursive=True))]
-
-
-def own_cpu_s() -> float:
-    """CPU seconds (user + system) of this process and every descendant it has now."""
-    me = psutil.Process()
-    total = 0.0
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
-
-
-def warm(target: Target, port: int) -> None:
-    """One untimed completion: the target answers before the client starts."""
-    code, body = post_json(port, "/v1/completions", {"model": target.model, "prompt": "hello",
-                                                     "max_tokens": 4, "temperature": 0})
-    if code != 200:
-        raise BenchError(f"{target.key}: a first completion answered HTTP {code}: {body}")
-
-
-def serving_section(python: str, checkpoint: Path, cache: Path, scratch: Path,
-                    cleanup: Cleanup, workload: Workload) -> dict[str, Any]:
-    """Section 5: the bare server and the daemon (both groups) start at once, untimed; then the
-    client runs the schedule; then both are stopped."""
-    tracker, began = cleanup.tracker, time.monotonic()
-    bare = VllmServe(python, checkpoint, scratch, tracker, "serving", SERVE_ARGS)
-    cleanup.started.append(bare)
-    bare.start()
-    daemon = ServingDaemon(serving_engines(python, cache, checkpoint, scratch), tracker)
-    cleanup.start(daemon)
-    bare.wait_health()
-    for name in (f"{GROUP}-0", f"{SERVED}-0"):
-        daemon.wait_ready(1, name=name)
-    start_s = time.monotonic() - began
+def serving(python: str, checkpoint: Path, scratch: Path, bare: VllmServe, daemon: Daemon,
+            workload: Workload) -> dict[str, Any]:
+    """vLLM's client runs the schedule against the three targets, which are up (and stay up,
+    idle, through each other's runs)."""
+    began = time.monotonic()
+    restarts0 = {e["name"]: e["restarts"] for e in daemon.status()["engines"]}
     gateway = f"http://127.0.0.1:{daemon.gateway_port}"
     targets = {"serve": Target("serve", f"http://127.0.0.1:{bare.port}", str(checkpoint)),
                "backend": Target("backend", gateway, GROUP),
                "command": Target("command", gateway, SERVED)}
-    for t in targets.values():
-        warm(t, bare.port if t.key == "serve" else daemon.gateway_port)
-    bare.track()
     served_pid = daemon.engine(f"{SERVED}-0")["pid"]
-    for p in psutil.Process(served_pid).children(recursive=True):
-        tracker.add(p.pid)
     engine_pid = daemon.engine(f"{GROUP}-0")["pid"]
-    layout = {"serve": processes(bare.proc.pid),  # type: ignore[union-attr]
-              "backend": processes(engine_pid),
+    for p in psutil.Process(served_pid).children(recursive=True):
+        daemon.tracker.add(p.pid)
+    assert bare.proc is not None
+    bare.track()
+    layout = {"serve": processes(bare.proc.pid), "backend": processes(engine_pid),
               "command": processes(served_pid), "daemon": processes(daemon.pid, False)}
-    roles = {"daemon": [daemon.pid], "engine": [engine_pid],
-             "served": tree_pids(served_pid),
-             "serve": tree_pids(bare.proc.pid)}  # type: ignore[union-attr]
-
-    # how busy the machine is with every target up and idle (they stay up through each other's
-    # runs), and how much of it is ours: 5 s, after 2 s of rest
-    time.sleep(2.0)
-    cpu0, own0, t0 = psutil.cpu_times(), own_cpu_s(), time.monotonic()
-    time.sleep(5.0)
-    idle_busy = cpu_busy_pct(cpu0)
-    idle_own = 100.0 * (own_cpu_s() - own0) / ((time.monotonic() - t0) * psutil.cpu_count())
-
     result_dir = scratch / "serving-results"
     runs, keys = [], []
     for r, c, pos, key in schedule(workload):
@@ -357,25 +236,20 @@ def serving_section(python: str, checkpoint: Path, cache: Path, scratch: Path,
     bound = (600.0 + SETTLE_S * len(runs) + 30.0 * sum(workload.prompts.values())
              * workload.rounds * len(TARGETS) * workload.length / 128)
     t0 = time.time()
-    lines, stdout = run_client(python, runs, roles, scratch, bound)
-    total_s = time.time() - t0
-    notes = notes_of(stdout)
+    lines = run_client(python, runs, scratch, bound)
+    client_s = time.time() - t0
     measured = []
     for (r, c, pos, key), run, line in zip(keys, runs, lines):
         if line["error"]:
             raise BenchError(f"vLLM's serving benchmark, run {run['name']}: {line['error']}")
         result = json.loads((result_dir / f"{run['name']}.json").read_text())
         measured.append({"round": r, "concurrency": c, "position": pos, "target": key,
-                         "notes": notes.get(run["name"], []), **digest(result, line)})
-
+                         **digest(result, line)})
     # nothing restarted under engined, the bare server still up: every run met the same server
-    engines = {e["name"]: e for e in daemon.status()["engines"]}
-    restarts = {name: e["incarnation"] - 1 for name, e in engines.items()}
-    serve_alive = bare.alive()
-    cleanup.stop(daemon)
-    daemon.remove_dir()
-    cleanup.stop(bare)
-    return {"workload": workload, "runs": measured, "idle_busy_pct": idle_busy,
-            "idle_own_pct": idle_own, "layout": layout, "start_s": start_s,
-            "section_s": time.monotonic() - began,
-            "client_s": total_s, "restarts": restarts, "serve_alive": serve_alive}
+    engines = daemon.status()["engines"]
+    restarts = {e["name"]: (e["restarts"] - restarts0[e["name"]], e["restarts_by_reason"],
+                            ((e["last_exit"] or {}).get("log_tail") or [""])[-1][:300])
+                for e in engines if e["restarts"]}
+    return {"workload": workload, "runs": measured, "layout": layout, "client_s": client_s,
+            "section_s": time.monotonic() - began, "restarts": restarts,
+            "serve_alive": bare.alive()}

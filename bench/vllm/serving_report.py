@@ -1,4 +1,4 @@
-"""Section 5, reported: vLLM's serving benchmark against the three targets (a table of vLLM's own
+"""Section 2, reported: vLLM's serving benchmark against the three targets (a table of vLLM's own
 figures, the median over rounds; every run in the order it ran), engined's two paths against
 `vllm serve` per concurrency (paired within a round: throughput and median TTFT ratios), and the
 issue's target: engined's throughput at least `vllm serve`'s, its median TTFT no worse.
@@ -10,25 +10,13 @@ import statistics
 from typing import Any
 
 from bench.report import DASH, Report, table, times
-from bench.vllm.engine import SERVE_MODULE
-from bench.vllm.serving import (
-    CLIENT_FLAGS,
-    ROLES,
-    SEQS,
-    SERVE_ARGS,
-    SETTLE_S,
-    TARGETS,
-    Workload,
-)
+from bench.vllm.engine import SEQS, SERVE_ARGS, SERVE_MODULE
+from bench.vllm.serving import CLIENT_FLAGS, SETTLE_S, TARGETS, Workload
 
 TARGET_LABELS = {"serve": "`vllm serve` alone",
                  "backend": "engined gateway → `backend: vllm`",
                  "command": "engined gateway → `vllm serve` (command engine)"}
 ENGINED = ("backend", "command")
-ROLE_LABELS = {"client": "client", "daemon": "engined daemon (gateway)",
-               "engine": "engined `backend: vllm` engine",
-               "served": "`vllm serve` under engined", "serve": "`vllm serve` alone",
-               "other": "the bench's other processes"}
 COLUMNS = ("target", "concurrency", "completed / failed", "requests/s", "output tok/s",
            "TTFT median ms", "TTFT p99 ms", "TPOT median ms", "ITL median ms",
            "output tokens per request")
@@ -89,7 +77,7 @@ def report_serving(r: Report, out: dict[str, Any]) -> list[dict[str, Any]]:
     """Section 5; returns the verdicts (one per concurrency and engined path) for the summary."""
     w: Workload = out["workload"]
     runs: list[dict[str, Any]] = out["runs"]
-    r("## 5. Serving: vLLM's serving benchmark through engined's gateway against `vllm serve`",
+    r("## 2. Serving: vLLM's serving benchmark through engined's gateway against `vllm serve`",
       "",
       f"vLLM's own serving benchmark (`vllm.benchmarks.serve`, what `vllm bench serve` runs), "
       f"one client process under the vLLM interpreter, against three servers of the same "
@@ -135,24 +123,9 @@ def report_serving(r: Report, out: dict[str, Any]) -> list[dict[str, Any]]:
         errors = "; ".join(f"{n} × {e}" for e, n in x["errors"].items()) or DASH
         r(f"- failed requests, {TARGET_LABELS[x['target']]} at {x['concurrency']} (round "
           f"{x['round']}): {x['failed']}: {errors}")
-    notes = sorted({(x["target"], n) for x in runs for n in x["notes"]})
-    for key, note in notes:
-        r(f"- the client said, for {TARGET_LABELS[key]}: `{note}`")
-    if failed or notes:
+    if failed:
         r("")
 
-    r("CPU time by process group, in ms of CPU per completed request (median over rounds; "
-      "every process of the group, its threads and children included):", "",
-      *table("target", "concurrency", *(ROLE_LABELS[k] for k in (*ROLES, "other")), "all"))
-    for c in w.prompts:
-        for key in TARGETS:
-            rs = [x for x in runs if x["concurrency"] == c and x["target"] == key]
-            cells = [_num(_med([{"v": 1e3 * x["cpu_s"].get(role, 0.0) / max(1, x["completed"])}
-                                for x in rs], "v"), 1) for role in (*ROLES, "other")]
-            total = _num(_med([{"v": 1e3 * sum(x["cpu_s"].values()) / max(1, x["completed"])}
-                               for x in rs], "v"), 1)
-            r(f"| {TARGET_LABELS[key]} | {c} | {' | '.join(cells)} | {total} |")
-    r("")
     r("Every run, in the order it ran:", "",
       *table("#", "round", "concurrency", "target", "requests/s", "output tok/s",
              "TTFT median ms", "input tokens", "run s", "CPU busy %", "others' CPU %"))
@@ -164,7 +137,10 @@ def report_serving(r: Report, out: dict[str, Any]) -> list[dict[str, Any]]:
           f"{_num(x['median_ttft_ms'], 1)} | {x['input_tokens']} | {x['wall_s']:.1f} | "
           f"{x['cpu_busy_pct']:.0f} | {x['others_pct']:.0f} |")
     r("")
-    restarted = {k: v for k, v in out["restarts"].items() if v}
+    during = {k: n for k, (n, _, _) in out["restarts"].items() if n}
+    ever = "; ".join(f"{k}: {', '.join(f'{why} ×{n}' for why, n in by.items())}, its last "
+                     f"exit's last log line `{tail}`" for k, (_, by, tail) in
+                     out["restarts"].items())
     r(f"- targets: `vllm serve` alone is `VLLM_PYTHON -m {SERVE_MODULE} --model DIR --host "
       f"127.0.0.1 --port PORT {' '.join(SERVE_ARGS)}`; engined's command engine runs that same "
       f"argv (`port: auto`, `progress: vllm`, probe on `/health`); engined's `backend: vllm` "
@@ -188,14 +164,12 @@ def report_serving(r: Report, out: dict[str, Any]) -> list[dict[str, Any]]:
       f"of their six orders (every target in every position and after each other target "
       f"equally often over six rounds), each run {SETTLE_S:g} s after the previous one (vLLM's "
       f"Worker spins for about a second after its last request); every target stays up (idle) "
-      f"through the others' runs: with all of them up and "
-      f"idle the machine's CPUs were {out['idle_busy_pct']:.1f} % busy over 5 s, the "
-      f"benchmark's own processes {out['idle_own_pct']:.1f} % (of all CPUs, as the first; what "
-      f"is over it is other work on this shared machine; per run: the last column above)",
-      f"- time: {out['start_s']:.0f} s to start the three targets (at once), "
-      f"{out['client_s']:.0f} s for the client's {len(runs)} runs, {out['section_s']:.0f} s for "
-      f"the section in all; restarts under engined "
-      f"during them: {restarted or 'none'}; `vllm serve` alone still up at the end: "
+      f"through the others' runs; the runs table's last column is the CPU that other work on "
+      f"this shared machine took during the run",
+      f"- time: {out['client_s']:.0f} s for the client's {len(runs)} runs, "
+      f"{out['section_s']:.0f} s for the section in all; restarts under engined "
+      f"during them: {during or 'none'} (since the daemon started: {ever or 'none'}); "
+      f"`vllm serve` alone still up at the end: "
       f"{'yes' if out['serve_alive'] else 'no'}", "")
     return verdicts
 

@@ -1,7 +1,7 @@
 """The supervision-core benchmark's smallest run (`python -m bench.core --quick`), so that it cannot
 rot: it must exit 0, print and write every table with every supervisor's row, a verdict for every
 target, and leave nothing running. Nothing here asserts speed. Under CI=true the peers must run
-(`--peers require`: their venvs are made from PyPI once and cached); elsewhere a peer whose venv
+(`--require-peers`: their venvs are made from PyPI once and cached); elsewhere a peer whose venv
 cannot be made is skipped, and the report must say so.
 """
 
@@ -26,17 +26,17 @@ TARGETS = ("respawn median < 5 ms", "respawn within 3× of the floor", "detectio
 
 
 def test_core_quick(tmp_path: Path) -> None:
-    peers = "require" if os.environ.get("CI") else "auto"
-    text = run_quick("core", tmp_path / "core.md", 600, "--peers", peers, printed=True)
+    require = ("--require-peers",) if os.environ.get("CI") else ()
+    text = run_quick("core", tmp_path / "core.md", 600, *require, printed=True)
     peers_line = next(line for line in text.splitlines() if line.startswith("- peers:"))
     have_sv, have_circus = "supervisord: SKIPPED" not in peers_line, \
         "circus: SKIPPED" not in peers_line
     rows = ENGINED_ROWS + (SV_ROWS if have_sv else ()) + (CIRCUS_ROWS if have_circus else ())
     secs = sections(text)
-    for name in ("1. Respawn latency", "2. Detection latency"):
+    for name, n in (("1. Respawn latency", 3), ("2. Detection latency", 4)):
         (kills,) = tables(section(secs, name))
         assert [row[0] for row in kills] == list(rows), kills
-        assert all(row[3] == "3" for row in kills), kills  # every kill was seen
+        assert all(row[n] == "3" for row in kills), kills  # every kill was seen
     (ready,) = tables(section(secs, "3. Kill → READY"))
     assert [row[-1] for row in ready] == ["3", "3"], ready
     (idle,) = tables(section(secs, "4. Idle overhead"))

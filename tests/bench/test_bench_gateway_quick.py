@@ -18,11 +18,8 @@ pytestmark = [pytest.mark.bench, pytest.mark.timeout(900)]
 
 PATHS = ("direct: engine protocol over ZeroMQ (baseline)",
          "direct: engine protocol over ZeroMQ, streamed (baseline)",
-         "control socket `POST /v1/generate`",
-         "control socket `POST /v1/generate`, streamed (NDJSON)",
          "gateway `/v1/completions` (aiohttp)",
          "gateway `/v1/completions`, streamed SSE (aiohttp)")
-STREAMED = tuple(p.replace(" (baseline)", "") for p in PATHS if "stream" in p)
 
 
 def test_gateway_quick(tmp_path: Path) -> None:
@@ -37,13 +34,7 @@ def test_gateway_quick(tmp_path: Path) -> None:
             assert re.fullmatch(r"[\d.]+ / [\d.]+ / [\d.]+ ms", row[7]), row  # on-CPU
             # echo's answer is its prompt's first 64 characters on every path
             assert row[8] == "64" if model == "echo" else row[8].isdigit(), row
-    (ttft,) = tables(section(secs, "2. Time to first token"))
-    for model in ("tiny", "echo"):
-        for concurrency in ("1", "8"):
-            got = [row[2].replace(" (baseline)", "") for row in ttft
-                   if row[:2] == [model, concurrency]]
-            assert sorted(got) == sorted(STREAMED), (model, concurrency, got)
-    (kills,) = tables(section(secs, "3. Requests lost per engine kill"))
+    (kills,) = tables(section(secs, "2. Requests lost per engine kill"))
     assert [row[0] for row in kills] == ["1", "2", "all 2"], kills
     in_flight_gw, lost_gw, moved, in_flight_ctl, lost_ctl = map(int, kills[-1][2:])
     assert in_flight_gw > 0 and in_flight_ctl > 0, kills  # the kills landed on busy replicas

@@ -1,71 +1,39 @@
-"""Putting new engined code in place under load: `enginectl upgrade` against a daemon restart,
-and a daemon SIGKILLed then started again (it adopts the engines).
+"""Section 4: new engined code put in place under load. One fleet (2 replicas of tiny-llama under
+`supervisor.launcher: forkserver`, the gateway and `http:` on free loopback ports) serves K client
+threads that loop `/v1/completions` through the gateway (alternately streamed and not), while the
+daemon under them is replaced in three ways, alternating round by round (A, B, C, A, ...):
 
-    python -m bench.upgrade [--quick] [--rounds N] [--clients K] [--out FILE] [--cache-dir DIR]
-                                     # default bench/results/upgrade.md,
-                                     # --quick: bench/results/upgrade-quick.md
+- A, in place: `POST /v1/upgrade` (what `enginectl upgrade` sends): the same pid re-executes
+  engined and adopts the engines;
+- B, the old way (`systemctl restart`): SIGTERM (the gateway drains, every engine stops), then a
+  new daemon on the same spec file, runtime directory and ports;
+- C, a crash: SIGKILL, then a new daemon as in B (systemd's Restart=): the engines outlived it
+  (`supervisor.orphan_timeout`) and the new daemon adopts them.
 
-One fleet (2 replicas of `builtin:tiny-llama`, transformers, `supervisor.launcher: forkserver`,
-the gateway and the HTTP endpoint on free loopback ports) serves K client threads that loop
-`/v1/completions` through the gateway (alternately streamed and not, max_tokens 16, greedy), while
-the daemon under them is replaced, in three ways that alternate round by round (A, B, C, A, ...):
-
-- A, in place: `POST /v1/upgrade` on the control socket (what `enginectl upgrade` sends; it then
-  polls status, as the bench does): the same pid re-executes engined and adopts the engines;
-- B, the old way (`systemctl restart`): SIGTERM to the daemon (it drains the gateway and stops
-  every engine), then a new daemon on the same spec file, runtime directory and ports;
-- C, a crash: SIGKILL to the daemon, then a new daemon as in B (what systemd's Restart= does):
-  the engines outlived it (`supervisor.orphan_timeout`) and the new daemon adopts them.
-
-Each round: the clients warm up, the trigger, the load goes on until the fleet has served every
-client again and then a few seconds more. Reported per scenario (median and min–max over the
-rounds): the requests of the window (trigger → load stopped) by outcome, the gap (A: the daemon's
-own `handover_s`; B: SIGTERM → the first ok answer to a request sent after the old daemon
-exited), what the clients saw (the longest request overlapping the event, trigger → the first ok
-answer, the longest time without one), whether the daemon pid and the engine processes stayed, and
-B's cold start. Every process is tracked and stopped by pid; nothing is killed by name. Nothing
-here asserts wall-clock speed.
+A round: warm-up, the trigger, the load until every client was served after the event, a few
+seconds more. Reported per scenario (median and min–max over the rounds): the window's requests
+by outcome, the gap, what the clients saw, whether the daemon pid and the engines stayed.
 """
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from bench.common import HEARTBEATS, BenchDaemon, BenchError, Cleanup, Tracker, wait_until
-from bench.models import build_checkpoint
+from bench.common import BenchDaemon, BenchError, Cleanup, Tracker, wait_until
 from bench.recovery.daemon import REPLICAS, tiny_backend
-from bench.report import (
-    DASH,
-    Report,
-    add_out_option,
-    counted,
-    cpu_busy_pct,
-    engined_revision,
-    load_average,
-    machine_lines,
-    med,
-    num,
-    out_path,
-    spread,
-    table,
-    title,
-)
+from bench.report import DASH, Report, counted, med, num, spread, table
 from testkit.driver import free_port, is_engine_of
 
 GROUP = "tiny"  # the group's name: the model name the gateway serves it under
@@ -76,7 +44,6 @@ REQUEST_TIMEOUT_S = 120.0  # the clients' socket timeout (a bound, far above any
 POLL_S = 0.05  # the bench's status poll while an event runs
 A, B, C = "A", "B", "C"
 LABELS = {A: "A: upgrade in place", B: "B: SIGTERM + new daemon", C: "C: SIGKILL + new daemon"}
-STOP_TIMEOUT = "10s"  # the spec's stop_timeout (bench.common's): bounds both drains
 
 
 # --- the load -------------------------------------------------------------------------------------
@@ -175,27 +142,19 @@ class Load:
 
 # --- the fleet ------------------------------------------------------------------------------------
 class Fleet(BenchDaemon):
-    """engined with 2 tiny-llama replicas (bench.recovery's), `supervisor.launcher:
-    forkserver`, the gateway and `http:` on free loopback ports, in /tmp/euXXXXXXXX. One object
-    for the whole run: B restarts it on the same spec file, runtime directory and ports."""
+    """engined with 2 tiny-llama replicas, `supervisor.launcher: forkserver`, the gateway on a
+    free loopback port, in /tmp/euXXXXXXXX. One object for the whole run: B and C start a new
+    daemon on the same spec file, runtime directory and port."""
 
     log_lines = 30
 
     def __init__(self, cache: Path, tracker: Tracker) -> None:
-        self.gateway_port, self.http_port = free_port(), free_port()
-        super().__init__("eu", tracker, [tiny_backend(cache).spec],
-                         http=f"127.0.0.1:{self.http_port}", status_timeout_s=30.0,
+        self.gateway_port = free_port()
+        super().__init__("eu", tracker, [tiny_backend(cache).spec], status_timeout_s=30.0,
                          supervisor={"gateway": f"127.0.0.1:{self.gateway_port}",
                                      "launcher": "forkserver"})
         self.log_engines = (f"{GROUP}-0",)
-        self.pids: list[int] = []  # every daemon pid, in order
-
-    def start(self, timeout_s: float | None = None, interval_s: float | None = None) -> None:
-        try:
-            super().start(timeout_s or 300.0, interval_s or POLL_S)
-        finally:
-            if self.proc is not None and self.proc.pid not in self.pids:
-                self.pids.append(self.proc.pid)
+        self.start_timeout_s, self.start_interval_s = 300.0, POLL_S
 
     def identity(self) -> tuple[dict[str, tuple[int, float, int, int]], set[int]]:
         """Per engine: (pid, the process's start time, incarnation, restarts); and the pids of
@@ -213,15 +172,6 @@ class Fleet(BenchDaemon):
                 out[e["name"]] = (e["pid"], psutil.Process(e["pid"]).create_time(),
                                   e["incarnation"], e["restarts"])
         return out, servers
-
-    def metric(self, name: str) -> float | None:
-        """One sample's value from GET /metrics on the `http:` port (None if absent)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics",
-                                    timeout=30) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith(name + " "):
-                    return float(line.rsplit(" ", 1)[1])
-        return None
 
 
 # --- one round ------------------------------------------------------------------------------------
@@ -276,26 +226,10 @@ class Round:
         times = [q.end - q.start for q in self.reqs if q.start < self.done and q.end > self.trigger]
         return max(times) if times else None
 
-    def silence(self, warmup: bool = False) -> float | None:
-        """The longest time without any ok answer: in the window from the trigger on, or in
-        the warm-up from its first ok answer on."""
-        if warmup:
-            ends = sorted(q.end for q in self.warmup if q.ok)
-            ends += [self.trigger] if ends else []
-        else:
-            ends = [self.trigger] + sorted(q.end for q in self.window if q.ok) + [self.stopped]
+    def silence(self) -> float | None:
+        """The longest time without any ok answer, from the trigger to the end of the load."""
+        ends = [self.trigger] + sorted(q.end for q in self.window if q.ok) + [self.stopped]
         return max((b - a for a, b in zip(ends, ends[1:])), default=None)
-
-    def rate(self, warmup: bool = False) -> float | None:
-        """ok answers per second: in the warm-up (first to last ok answer), or in the window."""
-        if warmup:
-            ends = sorted(q.end for q in self.warmup if q.ok)
-            return (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 else None
-        ok = sum(1 for q in self.window if q.ok)
-        return ok / (self.stopped - self.trigger)
-
-    def median_request(self) -> float | None:
-        return med([q.end - q.start for q in self.warmup if q.ok])
 
 
 def load_round(d: Fleet, clients: int, warmup_s: float, settle_s: float,
@@ -342,7 +276,6 @@ def upgrade_in_place(d: Fleet) -> tuple[float, float, dict[str, float | None]]:
         "accepted_s": accepted - trigger, "handover_s": sup["handover_s"],
         "cut": sup["handover_cut"] - cut,
         "adopted": sum(1 for e in status["engines"] if (e["adopted_at"] or 0) >= trigger),
-        "metric_s": d.metric("engined_handover_seconds"),
         "pid_reported": sup["pid"]}
 
 
@@ -420,198 +353,85 @@ def run_round(d: Fleet, scenario: str, index: int, clients: int, warmup_s: float
 
 
 # --- the report -----------------------------------------------------------------------------------
+def upgrade_section(cleanup: Cleanup, cache: Path, n: int, clients: int, quick: bool
+                    ) -> dict[str, list[Round]]:
+    warmup_s, settle_s = (2.0, 2.0) if quick else (4.0, 3.0)
+    rounds: dict[str, list[Round]] = {key: [] for key in LABELS}
+    d = cleanup.start(Fleet(cache, cleanup.tracker))
+    for i in range(n):
+        for scenario in LABELS:
+            rounds[scenario].append(run_round(d, scenario, i, clients, warmup_s, settle_s))
+    cleanup.stop(d)
+    return rounds
+
+
 def cells(values: Iterable[float | None] | None, digits: int, unit: str) -> str:
     """`median | min–max` of the values that are there; – for a row a scenario does not have."""
-    if values is None:
-        return f"{DASH} | {DASH}"
-    vals = [v for v in values if v is not None]
+    vals = [v for v in values or [] if v is not None]
     if not vals:
         return f"{DASH} | {DASH}"
     return f"{num(statistics.median(vals), digits, unit)} | {spread(vals, digits, unit)}"
-
-
-def report_rows(r: Report, rounds: dict[str, list[Round]],
-                rows: list[tuple[str, Any, int, str]]) -> None:
-    """One row per (label, f(round) for every scenario or a tuple of one per scenario, A B C,
-    None where a scenario does not have it, digits, unit)."""
-    head = [h for key in LABELS for h in (f"{LABELS[key]}: median", "min–max")]
-    r(*table("measure", *head, f"rounds ({'/'.join(LABELS)})"))
-    for label, f, digits, unit in rows:
-        fs = f if isinstance(f, tuple) else (f,) * len(LABELS)
-        values = [cells(None if fk is None else [fk(x) for x in rounds[key]], digits, unit)
-                  for key, fk in zip(LABELS, fs)]
-        r(f"| {label} | {' | '.join(values)} | "
-          f"{'/'.join(str(len(rounds[key])) for key in LABELS)} |")
-    r("")
 
 
 def fact(key: str) -> Any:
     return lambda x: x.facts.get(key)
 
 
-REQUEST_ROWS = [
+ROWS = [  # (label, f(round) for every scenario or one per scenario A B C, digits, unit)
     ("requests in the window (trigger → load stopped)", lambda x: len(x.window), 0, ""),
     ("… answered ok", lambda x: sum(q.ok for q in x.window), 0, ""),
     ("… failed, all kinds", lambda x: len(x.failed()), 0, ""),
     ("… connection refused", lambda x: len(x.failed("refused")), 0, ""),
     ("… connection reset or closed without an answer", lambda x: len(x.failed("reset")), 0, ""),
-    ("… HTTP error status", lambda x: len(x.failed("http")), 0, ""),
-    ("… stream cut, timeout or other error",
-     lambda x: sum(len(x.failed(k)) for k in ("cut", "timeout", "other")), 0, ""),
+    ("… HTTP error status, stream cut, timeout or other",
+     lambda x: sum(len(x.failed(k)) for k in ("http", "cut", "timeout", "other")), 0, ""),
     ("failed before the trigger (warm-up)", lambda x: sum(not q.ok for q in x.warmup), 0, ""),
-    ("ok answers/s in the warm-up", lambda x: x.rate(warmup=True), 1, "/s"),
-    ("ok answers/s in the window", lambda x: x.rate(), 1, "/s"),
-]
-STALL_ROWS = [
     ("the gap (A: `handover_s`; B, C: the signal → first ok answer from the new daemon)",
      fact("gap_s"), 3, "s"),
-    ("trigger → event done (A: status shows the hand-over; B, C: new daemon, every engine "
-     "READY)", lambda x: x.done - x.trigger, 3, "s"),
-    ("trigger → first ok answer (any request)", lambda x: x.first_ok(), 3, "s"),
+    ("trigger → event done (A: status shows the hand-over; B, C: every engine READY)",
+     lambda x: x.done - x.trigger, 3, "s"),
     ("trigger → first ok answer to a request sent after the trigger",
      lambda x: x.first_ok(sent_after=x.trigger), 3, "s"),
     ("longest request overlapping the event", lambda x: x.longest_overlapping(), 3, "s"),
-    ("longest time without an ok answer, window", lambda x: x.silence(), 3, "s"),
-    ("… the same in the warm-up (for scale)", lambda x: x.silence(warmup=True), 3, "s"),
-    ("request time in the warm-up (median)", lambda x: x.median_request(), 3, "s"),
-]
-FLEET_ROWS = [
+    ("longest time without an ok answer (all clients)", lambda x: x.silence(), 3, "s"),
     ("daemon pid kept (1 = yes)", fact("daemon_kept"), 0, ""),
     ("engines kept (same pid and start time)", lambda x: x.engines_kept, 0, f"of {REPLICAS}"),
     ("fork servers kept (same pid)", lambda x: len(x.servers_before & x.servers_after), 0, ""),
-    ("engine restarts the daemon counted in the round (B: a new daemon counts from 0)",
+    ("engine restarts counted in the round (B: a new daemon counts from 0)",
      (lambda x: x.restarts, lambda x: x.restarts, fact("restarts")), 0, ""),
     ("engines adopted (`adopted_at` set)", (fact("adopted"), None, fact("adopted")), 0,
      f"of {REPLICAS}"),
-    ("POST /v1/upgrade → 202 (the new code's check)", (fact("accepted_s"), None, None), 3, "s"),
     ("requests cut by the drain bound (`handover_cut`)", (fact("cut"), None, None), 0, ""),
-    ("`engined_handover_seconds` (/metrics)", (fact("metric_s"), None, None), 3, "s"),
     ("SIGTERM → old daemon exited (drain, engines stopped)", (None, fact("exit_s"), None), 3,
      "s"),
-    ("engines of the old daemon alive after it exited", (None, fact("orphans"), None), 0, ""),
-    ("engines' `startup_s` (spawn → READY, median of the replicas)",
-     (None, fact("startup_s"), None), 3, "s"),
-    ("old daemon gone → every engine READY under the new one", (None, None, fact("ready_s")),
-     3, "s"),
-    ("new daemon start → every engine READY (`since`)", (None, fact("ready_s"), None), 3, "s"),
+    ("B: new daemon start, C: old daemon gone → every engine READY",
+     (None, fact("ready_s"), fact("ready_s")), 3, "s"),
 ]
 
 
-def report_failures(r: Report, rounds: dict[str, list[Round]]) -> None:
-    r("## 4. Failed requests, one line per round", "")
+def report_upgrade(r: Report, rounds: dict[str, list[Round]], clients: int) -> None:
+    r("## 4. Upgrade in place against a daemon restart and a crash, under load", "",
+      f"{clients} client threads through the gateway (`/v1/completions`, alternately streamed "
+      f"and not, max_tokens {MAX_TOKENS}, greedy; a client that fails closes its connection and "
+      f"sends again {RETRY_S * 1e3:.0f} ms later). The window is every request that ended "
+      "after the trigger; the gap is A's own `handover_s` (the old code's last accept → the "
+      "new code's first), B's and C's signal → the first ok answer to a request sent after the "
+      "old daemon exited. Rounds alternate A, B, C on one fleet.", "")
+    head = [h for key in LABELS for h in (f"{LABELS[key]}: median", "min–max")]
+    r(*table("measure", *head, f"rounds ({'/'.join(LABELS)})"))
+    for label, f, digits, unit in ROWS:
+        fs = f if isinstance(f, tuple) else (f,) * len(LABELS)
+        values = [cells(None if fk is None else [fk(x) for x in rounds[key]], digits, unit)
+                  for key, fk in zip(LABELS, fs)]
+        r(f"| {label} | {' | '.join(values)} | "
+          f"{'/'.join(str(len(rounds[key])) for key in LABELS)} |")
+    r("", "Failed requests, per round:")
     for scenario in LABELS:
         for x in rounds[scenario]:
             failed = x.failed()
-            if not failed:
-                r(f"- {LABELS[scenario]}, round {x.index + 1}: none")
-                continue
             at = [q.end - x.trigger for q in failed]
             kinds = counted(f"{q.kind} ({q.detail.split(':')[0]})" for q in failed)
-            r(f"- {LABELS[scenario]}, round {x.index + 1}: {kinds}; ended at "
-              f"+{min(at):.3f} … +{max(at):.3f} s after the trigger; first: "
-              f"{failed[0].detail[:160]}")
+            r(f"- {LABELS[scenario]}, round {x.index + 1}: " + (
+                f"{kinds}; ended +{min(at):.3f} … +{max(at):.3f} s after the trigger; first: "
+                f"{failed[0].detail[:160]}" if failed else "none"))
     r("")
-
-
-def report(r: Report, rounds: dict[str, list[Round]], clients: int, warmup_s: float,
-           settle_s: float) -> None:
-    r("## 1. Requests through the gateway, trigger → load stopped", "")
-    report_rows(r, rounds, REQUEST_ROWS)
-    r("## 2. The gap and what the clients saw", "")
-    report_rows(r, rounds, STALL_ROWS)
-    r("## 3. The engines and the daemon", "")
-    report_rows(r, rounds, FLEET_ROWS)
-    report_failures(r, rounds)
-    r("## Method", "",
-      f"One daemon (its spec file, runtime directory and ports) serves the whole run: "
-      f"{REPLICAS} replicas of `builtin:tiny-llama` (transformers, 1 thread, max_batch_size 8) "
-      f"under `supervisor.launcher: forkserver`, the gateway and `http:` on free loopback ports, "
-      f"`stop_timeout` {STOP_TIMEOUT} (the drain bound of both A and B). Rounds alternate A, B, "
-      f"C, A, ...; A upgrades the running daemon in place, B SIGTERMs it, waits for its exit "
-      f"(it drains the gateway and stops every engine) and starts a new daemon on the same spec "
-      f"at once, as `systemctl restart` would; C SIGKILLs it and starts a new daemon at once, "
-      f"as systemd's Restart= would after a crash (the engines outlive it by "
-      f"`supervisor.orphan_timeout`, default 60 s, and are adopted; what was in flight through "
-      f"the dead daemon's gateway is lost with it); the next round runs on whatever the last "
-      f"one left. A round: {clients} client threads (one keep-alive `http.client` connection each) "
-      f"loop `POST /v1/completions` through the gateway, alternately streamed (SSE read to "
-      f"`data: [DONE]`) and not (the JSON must have `choices`), `max_tokens` {MAX_TOKENS}, "
-      f"greedy; a client that fails closes its connection and sends again after "
-      f"{RETRY_S * 1e3:.0f} ms (so the count of refused connections is set by that pace). "
-      f"Once every client has had answers, {warmup_s:g} s of warm-up, then the trigger (A: "
-      f"`POST /v1/upgrade` on the control socket, what `enginectl upgrade` sends before it "
-      f"polls status; B: SIGTERM; C: SIGKILL), then the load goes on until every client has "
-      f"been answered after the event was done (A: a {POLL_S * 1e3:.0f} ms status poll shows "
-      f"`handovers` counted up; B, C: the new daemon has every engine READY) and "
-      f"{settle_s:g} s more. The "
-      f"window is every request that ended after the trigger. The gap: A, the daemon's own "
-      f"`handover_s` (the old code's last accept → the new code's first); B and C, the signal → "
-      f"the first ok answer to a request sent after the old daemon exited. \"Longest request "
-      f"overlapping the event\": of the requests running at some time between the trigger and "
-      f"the event done, the longest (any outcome). \"Longest time without an ok answer\": the "
-      f"largest interval between consecutive ok answers of all clients, from the trigger to the "
-      f"end of the load. Engines kept: same pid and same process start time "
-      f"(`/proc/PID/stat`) before and after. Times are the bench's `time.time()` (the "
-      f"daemon's `since` for READY); nothing is asserted about speed.", "")
-
-
-# --- the run --------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.upgrade",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="1 round of each scenario, 4 clients, shorter warm-up")
-    add_out_option(parser, "upgrade")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds of each scenario (default 5; --quick: 1)")
-    parser.add_argument("--clients", type=int, default=None,
-                        help="client threads (default 8; --quick: 4)")
-    parser.add_argument("--cache-dir", default=None,
-                        help="ENGINED_CACHE_DIR for the model (default: a fresh temporary one)")
-    args = parser.parse_args(argv)
-    n = args.rounds or (1 if args.quick else 5)
-    clients = args.clients or (4 if args.quick else 8)
-    warmup_s, settle_s = (2.0, 2.0) if args.quick else (4.0, 3.0)
-    out = out_path(args, "upgrade")
-
-    r, tracker = Report(), Tracker()
-    cleanup = Cleanup(tracker)
-    cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="engined-bench-cache-"))
-    if args.cache_dir is None:
-        cleanup.dirs.append(cache)
-    rounds: dict[str, list[Round]] = {key: [] for key in LABELS}
-    cpu_start = psutil.cpu_times()
-    d: Fleet | None = None
-    try:
-        r(title("engined upgrade benchmark: in place vs a daemon restart vs a crash, under load",
-                args.quick), "", *machine_lines(), engined_revision(), load_average("start"))
-        checkpoint = build_checkpoint(cache)  # untimed, exactly as an engine would on first use
-        r(f"- fleet: {REPLICAS} replicas of builtin:tiny-llama ({checkpoint.name}; torch "
-          f"{version('torch')}, transformers {version('transformers')}; float32, CPU, threads "
-          f"1, max_batch_size 8), `supervisor.launcher: forkserver`, gateway and `http:` on "
-          f"loopback; heartbeats every {HEARTBEATS['heartbeat_interval']}, stop_timeout "
-          f"{STOP_TIMEOUT}",
-          f"- load: {clients} client threads through the gateway, `/v1/completions` alternately "
-          f"streamed and not, max_tokens {MAX_TOKENS}, greedy; warm-up {warmup_s:g} s, "
-          f"{settle_s:g} s after every client was served again",
-          f"- rounds: {n} of each scenario, alternating A, B, C, A, ... on one fleet", "")
-        d = cleanup.start(Fleet(cache, tracker))
-        for i in range(n):
-            for scenario in LABELS:
-                rounds[scenario].append(run_round(d, scenario, i, clients, warmup_s, settle_s))
-    finally:
-        leftovers = cleanup.close()
-
-    busy = cpu_busy_pct(cpu_start)
-    report(r, rounds, clients, warmup_s, settle_s)
-    pids = ", ".join(str(p) for p in (d.pids if d is not None else []))
-    r(f"- daemon pids: {pids}",
-      f"{load_average('end')}; all CPUs {busy:.0f} % busy during the run; processes left "
-      f"over and killed by pid: {leftovers or 'none'}"
-      + (f"; {d.stop_note}" if d is not None and d.stop_note else ""))
-    r.write(out)
-    return 0  # a report, not a gate
-
-
-if __name__ == "__main__":
-    sys.exit(main())
