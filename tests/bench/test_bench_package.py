@@ -4,7 +4,11 @@ tests/bench/test_bench_*_quick.py).
 
 - sizes: no module over 600 lines, no class over 250 (the layout's caps, bench included);
 - the harness is testkit's, loaded once; engined's supervisor internals come from bench.common;
-- every benchmark answers --help.
+- every benchmark answers --help;
+- every result in bench/results/ names the full commit it was made at and the command that made
+  it; a maintained benchmark's result is not older than the benchmark's own code (bench/stale.py
+  walks its imports and compares its files at that commit with HEAD); a frozen study's result
+  names the commit and the command that make it again.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from bench import stale
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH = REPO_ROOT / "bench"
@@ -77,6 +83,17 @@ def test_benchmark_answers_help(name: str) -> None:
                           env=_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith(f"usage: python -m bench.{name}"), done.stdout[:300]
+
+
+def test_results_name_their_commit_and_are_not_older_than_their_code() -> None:
+    why = stale.shallow_problem()
+    assert why is None, why  # a shallow clone cannot check the results: fetch the history
+    problems = {path.name: found for path in stale.results()
+                if (found := stale.check(path)[1])}
+    assert not problems, (f"{problems}: run the benchmark again (`python -m bench.NAME`, its "
+                          "full mode) and commit its result; `python -m bench.stale` lists them")
+    maintained = {path.stem for path in stale.results() if "frozen" not in stale.header(path)}
+    assert maintained == set(BENCHMARKS), maintained  # one current result per benchmark
 
 
 def _env() -> dict[str, str]:
