@@ -213,6 +213,11 @@ class EngineCoreProc:
         cfg = self.config
         self._send(proto.Hello(cfg.name, cfg.incarnation, os.getpid()))
         started = time.monotonic()
+        # Started before the build applies memory_limit, so that its stack is part of the
+        # address space the limit starts from, not taken from the headroom the limit leaves
+        # (engine.memory); it beats once READY is out (heartbeats come only past READY).
+        self._heartbeat = _HeartbeatThread(self)
+        self._heartbeat.start()
         self.build()
         assert self.model is not None
         self.table = RequestTable(self.model, cfg.name, cfg.incarnation, self._send_requests)
@@ -228,8 +233,7 @@ class EngineCoreProc:
                                    self.memory_plan, getattr(self.model, "cache_info", {})))
         print(f"[ready] {cfg.name} incarnation {cfg.incarnation} loaded in {load_s:.3f}s "
               f"on {self.model.device}", file=sys.stderr, flush=True)
-        self._heartbeat = _HeartbeatThread(self)
-        self._heartbeat.start()
+        self._heartbeat.begin()
         self.busy_loop()
 
     def build(self) -> None:
@@ -554,6 +558,7 @@ class _HeartbeatThread(threading.Thread):
         super().__init__(name="engined-heartbeat", daemon=True)
         self.core = core
         self._stopped = threading.Event()
+        self._begun = threading.Event()
         self._warned = False
         self.sock = core.ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -562,9 +567,14 @@ class _HeartbeatThread(threading.Thread):
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
         self.sock.connect(core.config.control_endpoint)
 
+    def begin(self) -> None:
+        """Beat from now on (the thread was started earlier, before memory_limit)."""
+        self._begun.set()
+
     def run(self) -> None:
         interval_s = self.core.config.heartbeat_interval_s
-        while True:
+        self._begun.wait()
+        while not self._stopped.is_set():
             self._beat()
             if self._stopped.wait(interval_s):
                 break
@@ -602,6 +612,7 @@ class _HeartbeatThread(threading.Thread):
 
     def stop(self) -> None:
         self._stopped.set()
+        self._begun.set()
         self.join(timeout=2.0)
 
 

@@ -13,6 +13,9 @@ instead of killing the engine, and `memory_limit` bounds what the engine may hol
   the kernel's OOM killer. glibc's mmap threshold is fixed then, so that a large block freed
   gives its address space back (a dynamic threshold moves large blocks into the heap, whose
   freed middle stays mapped: a limit on address space would then count memory nobody holds).
+  For the same reason the engine's own threads start before it (engine.core: the heartbeat
+  thread): a thread started after it took its stack (8 MiB) and, where the headroom had room,
+  its malloc arena (64 MiB reserved) from the headroom, nearly none of either ever resident.
   On a GPU it is torch's per-process memory fraction of the device.
 * A request that runs out of memory alone is tried once more alone, once what the failed step
   held is released (what a larger failed step left behind can be what it met); a second
