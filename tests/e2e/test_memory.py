@@ -3,13 +3,22 @@ whose `memory_limit` fits only a few of a burst's sequences runs out of memory i
 shrinks its batch instead of dying, continues each cut request from the tokens it had delivered
 and answers all of them with the text an unlimited engine gives (greedy), counts the OOMs,
 grows its batch limit back, refuses a request that does not fit even alone with a 400 naming the
-prompt and max_tokens, and serves on. No engine restarts."""
+prompt and max_tokens, and serves on. No engine restarts.
+
+The limit's headroom is not a figure tuned on one machine: what one of the burst's sequences,
+the request too large alone and the burst take is measured on the unlimited incarnation (from
+/proc: the peak resident memory each adds, reset before each, plus the address space each
+leaves mapped, such as MKL's buffer cache), and the headroom is placed between one sequence and
+the smaller of the other two, a factor of margin from each; a box that gives no such window
+fails, naming the figures."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import re
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -20,13 +29,16 @@ from testkit.driver import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MiB = 1 << 20
-# Over what the engine holds once loaded: one of the burst's sequences fits, four do not, nor
-# does one sequence of the whole context (measured: 15 MiB fits none, 20 to 26 MiB fit this)
-HEADROOM = 23 * MiB
-HEADROOM_SLACK = 3 * MiB  # the headroom an incarnation actually gets, within this of HEADROOM
+# The headroom goes between what one of the burst's sequences takes and the least of what the
+# request too large alone and a step of the burst (max_batch_size sequences) take, a factor of
+# sqrt(least / one) from each (geometrically in the middle); that factor must be MARGIN or more.
+MARGIN = 1.4
+HEADROOM_SLACK = 0.1  # the headroom an incarnation actually gets, within this part of the wanted
 BURST = 32
-PROMPTS = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 12
+# ~190 tokens (byte-level): one sequence takes a third of what the request too large alone does
+PROMPTS = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 4
            for i in range(BURST)]
+TOO_LARGE = "fox " * 480  # with max_tokens 100: fits the model's context, not the headroom
 
 
 def _engine(name: str, cache: Path, **extra: object) -> dict:
@@ -51,6 +63,33 @@ def _metric(port: int, name: str) -> float | None:
     return None
 
 
+def _status(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)
+                if k in ("VmRSS", "VmHWM", "VmSize")}
+
+
+class _Meter:
+    """What requests take in an engine, from /proc/PID/status."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.base = _status(pid)["VmSize"]
+
+    def need(self, run: Callable[[], object]) -> int:
+        """Bytes that `run` takes over what the engine held when the meter began: the peak
+        resident memory it adds (the peak is reset first), the address space it leaves mapped,
+        and what earlier requests left mapped (MKL's buffers: its own GEMMs reuse them, and on
+        their own would map them). RLIMIT_AS, the limit's measure, counts all of it."""
+        with open(f"/proc/{self.pid}/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        before = _status(self.pid)
+        run()
+        after = _status(self.pid)
+        return (max(0, before["VmSize"] - self.base) + after["VmHWM"] - before["VmRSS"]
+                + max(0, after["VmSize"] - before["VmSize"]))
+
+
 def _resident_at_limit(d, name: str, incarnation: int) -> int:
     """What the engine held once loaded, from its `[memory]` line (engine.memory)."""
     def found() -> int | None:
@@ -70,15 +109,31 @@ def test_an_engine_out_of_memory_shrinks_its_batch_and_loses_nothing(engined, ti
     d.wait_all_ready(300)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway}/v1", api_key="none",
                            max_retries=0, timeout=600)
-    reference = _burst(client, "lim")
+    # What each takes, on the fresh incarnation: one sequence first (what it maps for itself
+    # counts), then the burst, then the request too large alone (with what the others left).
+    meter = _Meter(d.engine("lim-0")["pid"])
+    one = meter.need(lambda: client.completions.create(model="lim", prompt=PROMPTS[0],
+                                                       max_tokens=200, temperature=0))
+    box: list[list[str]] = []
+    burst = meter.need(lambda: box.append(_burst(client, "lim")))
+    reference = box[0]
+    large = meter.need(lambda: client.completions.create(model="lim", prompt=TOO_LARGE,
+                                                         max_tokens=100, temperature=0))
     assert d.engine("lim-0")["oom_total"] == 0 and d.engine("lim-0")["batch_limit"] == 8
+    least = min(large, burst)
+    headroom = int(math.sqrt(one * least))
+    figures = (f"one sequence takes {one / MiB:.1f} MiB, the request too large alone "
+               f"{large / MiB:.1f} MiB, the burst {burst / MiB:.1f} MiB: headroom "
+               f"{headroom / MiB:.1f} MiB")
+    print(figures)
+    assert least >= MARGIN ** 2 * one, f"no window for the headroom on this box: {figures}"
     loaded = _resident_at_limit(d, "lim-0", 1)
 
     # The limit is set from what the previous incarnation held once loaded; the next may hold a
     # little more or less, so set it again until this one's headroom is what the test wants.
     incarnation, limit = 1, 0
     for _ in range(4):
-        limit = loaded + HEADROOM
+        limit = loaded + headroom
         spec = yaml.safe_load(d.spec_path.read_text())
         spec["engines"][0]["memory_limit"] = limit
         d.spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -87,18 +142,18 @@ def test_an_engine_out_of_memory_shrinks_its_batch_and_loses_nothing(engined, ti
         d.wait_state("lim-0", "READY", timeout_s=300,
                      where=lambda e, n=incarnation: e["incarnation"] == n)
         loaded = _resident_at_limit(d, "lim-0", incarnation)
-        if abs(limit - loaded - HEADROOM) <= HEADROOM_SLACK:
+        if abs(limit - loaded - headroom) <= HEADROOM_SLACK * headroom:
             break
     print(f"incarnation {incarnation}: {loaded / MiB:.1f} MiB once loaded under a limit of "
           f"{limit / MiB:.1f} MiB")
-    assert abs(limit - loaded - HEADROOM) <= HEADROOM_SLACK, (limit, loaded)
+    assert abs(limit - loaded - headroom) <= HEADROOM_SLACK * headroom, (limit, loaded, figures)
     restarts = d.engine("lim-0")["restarts"]
 
     limited = _burst(client, "lim")
     assert limited == reference  # every request answered, each with the unlimited text
     e = d.engine("lim-0")
     assert e["restarts"] == restarts and e["incarnation"] == incarnation, e
-    assert e["oom_total"] >= 1, (e, d.log_text("lim-0")[-2000:])
+    assert e["oom_total"] >= 1, (figures, e, d.log_text("lim-0")[-2000:])
     assert "[oom] a step of" in d.log_text("lim-0")
     assert e["memory_headroom_bytes"] is not None
     assert _metric(http, 'engined_engine_oom_total{engine="lim-0"}') == e["oom_total"]
@@ -111,7 +166,7 @@ def test_an_engine_out_of_memory_shrinks_its_batch_and_loses_nothing(engined, ti
 
     # a request that cannot fit even alone: a clear client error, and the engine serves on
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model="lim", prompt="fox " * 480, max_tokens=100,
+        client.completions.create(model="lim", prompt=TOO_LARGE, max_tokens=100,
                                   temperature=0)
     message = str(refused.value)
     assert "out of memory" in message and "prompt" in message and "max_tokens" in message
