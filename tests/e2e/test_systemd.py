@@ -319,11 +319,12 @@ def test_supervisor_changes_are_reported_as_needing_a_restart(engined):
     assert _line(out, "restart required") == ["supervisor.heartbeat_timeout"]
 
 
-def test_the_readme_installs_where_the_unit_looks():
-    """The README's systemd commands make the venv the unit's ExecStart runs, and never ask for
-    `sudo pip install` into the system Python (PEP 668 refuses it on current Debian/Ubuntu)."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Run under systemd", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_install_where_the_unit_looks():
+    """The operations page's systemd commands make the venv the unit's ExecStart runs, and never
+    ask for `sudo pip install` into the system Python (PEP 668 refuses it on current
+    Debian/Ubuntu)."""
+    page = (REPO / "docs" / "operations.md").read_text()
+    section = page.split("## Run under systemd", 1)[1].split("\n## ", 1)[0]
     commands = section.split("```sh", 1)[1].split("```", 1)[0]
     unit = (REPO / "systemd/engined.service").read_text()
     exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
