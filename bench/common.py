@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import psutil
 
 # engined's supervisor internals, imported here only (`as`: re-exported to the benchmarks)
-from engined.supervisor.client import UnixHTTPConnection as UnixHTTPConnection
+from engined.supervisor.ctl.client import UnixHTTPConnection as UnixHTTPConnection
 from engined.supervisor.host.launcher import child_environment as child_environment
 from engined.supervisor.host.launcher import expose_engine_package as expose_engine_package
 from engined.supervisor.ipc import EngineChannels as EngineChannels

@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from engined.supervisor.notices import Lost
+from engined.supervisor.lifecycle.notices import Lost
 from engined.supervisor.routing import Lease, NoReplica, Router
 from engined.supervisor.spec import EngineSpec
 from engined.supervisor.spec.model import ModelSpec, UpstreamsSpec

@@ -28,7 +28,7 @@ from engined.engine.contract import (
     REQUEST_SOCKET_NAME,
     set_process_title,
 )
-from engined.supervisor import __version__, handover, recovery, snapshot
+from engined.supervisor import __version__
 from engined.supervisor.host import scratch
 from engined.supervisor.host.fdreserve import raise_nofile_limit
 from engined.supervisor.host.reaper import become_subreaper
@@ -39,12 +39,13 @@ from engined.supervisor.host.runtime import (
     resolve_log_dir,
     resolve_runtime_dir,
 )
-from engined.supervisor.notices import StateChange
-from engined.supervisor.reload import LIVE_SUPERVISOR_KEYS, ReloadRejected, plan_reload
+from engined.supervisor.lifecycle.notices import StateChange
+from engined.supervisor.lifecycle.reload import LIVE_SUPERVISOR_KEYS, ReloadRejected, plan_reload
+from engined.supervisor.lifecycle.state import EngineState
 from engined.supervisor.services import Paths, Services, status_line
 from engined.supervisor.spec import FleetSpec, SpecError, format_fleet, host_warnings, load_fleet
-from engined.supervisor.state import EngineState
-from engined.supervisor.upgrade import InPlace
+from engined.supervisor.upgrade import handover, recovery, snapshot
+from engined.supervisor.upgrade.inplace import InPlace
 from engined.supervisor.webserver import CappedRunner
 
 log = logging.getLogger("engined")

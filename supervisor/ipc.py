@@ -24,7 +24,7 @@ import zmq
 
 from engined.engine import protocol as proto
 from engined.engine.contract import control_endpoint, request_endpoint, routing_id
-from engined.supervisor.notices import Lost
+from engined.supervisor.lifecycle.notices import Lost
 
 log = logging.getLogger("engined.ipc")
 

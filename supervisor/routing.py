@@ -21,9 +21,9 @@ import itertools
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
-from engined.supervisor.incarnation import Incarnation
-from engined.supervisor.notices import StateChange
-from engined.supervisor.replica import Replica
+from engined.supervisor.lifecycle.incarnation import Incarnation
+from engined.supervisor.lifecycle.notices import StateChange
+from engined.supervisor.lifecycle.replica import Replica
 from engined.supervisor.spec import EngineSpec
 
 RECHECK_S = 0.1  # a waiting request looks again this often (heartbeats refresh without events)

@@ -27,10 +27,8 @@ from pathlib import Path
 from aiohttp import web
 
 from engined.supervisor import cluster
-from engined.supervisor.clock import SystemClock
-from engined.supervisor.control import ControlContext, make_app
-from engined.supervisor.events import EventLog, transition
-from engined.supervisor.fleet import Fleet
+from engined.supervisor.control.api import ControlContext, make_app
+from engined.supervisor.control.events import EventLog, transition
 from engined.supervisor.gateway.app import Gateway
 from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.host.exits import ChildWatcher
@@ -42,17 +40,19 @@ from engined.supervisor.host.oom import OomWitness
 from engined.supervisor.host.reaper import Reaper
 from engined.supervisor.host.runtime import StartupError
 from engined.supervisor.ipc import EngineChannels
+from engined.supervisor.lifecycle.clock import SystemClock
+from engined.supervisor.lifecycle.fleet import Fleet
+from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
+from engined.supervisor.lifecycle.notices import Notices, StateChange
+from engined.supervisor.lifecycle.probe import ProbeClient
+from engined.supervisor.lifecycle.replica import AddressBook, Replica, ReplicaDeps
 from engined.supervisor.logs import StdoutLines
-from engined.supervisor.loopmonitor import LoopMonitor
-from engined.supervisor.monitoring import MonitoringEndpoint
-from engined.supervisor.notices import Notices, StateChange
-from engined.supervisor.probe import ProbeClient
-from engined.supervisor.replica import AddressBook, Replica, ReplicaDeps
+from engined.supervisor.observe.monitoring import MonitoringEndpoint
+from engined.supervisor.observe.sampler import Sampler
+from engined.supervisor.observe.systemd import Notifier
 from engined.supervisor.routing import Router
-from engined.supervisor.sampler import Sampler
 from engined.supervisor.spec import FleetSpec
 from engined.supervisor.spec.model import ClientLimits, SupervisorSpec, UpstreamsSpec
-from engined.supervisor.systemd import Notifier
 from engined.supervisor.webserver import ApiKey, CappedRunner, listening, make_runner
 
 log = logging.getLogger("engined")

@@ -32,7 +32,7 @@ from typing import IO, Any, TypeVar
 import psutil
 import yaml
 
-from engined.supervisor import client
+from engined.supervisor.ctl import client
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -163,14 +163,14 @@ class Daemon:
     # --- driving it ------------------------------------------------------------------------
     def ctl(self, *args: str, timeout_s: float = CTL_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
         """Run `enginectl --socket SOCK ARGS...`; never raises on a non-zero exit."""
-        return subprocess.run([PYTHON, "-m", "engined.supervisor.cli", "--socket", self.socket,
+        return subprocess.run([PYTHON, "-m", "engined.supervisor.ctl.cli", "--socket", self.socket,
                                *args], cwd=REPO_ROOT, env=_clean_env(), stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, timeout=timeout_s)
 
     def ctl_popen(self, *args: str, **kwargs: Any) -> subprocess.Popen[str]:
-        return subprocess.Popen([PYTHON, "-m", "engined.supervisor.cli", "--socket", self.socket,
-                                 *args], cwd=REPO_ROOT, env=_clean_env(), stdin=subprocess.DEVNULL,
-                                text=True, **kwargs)
+        return subprocess.Popen([PYTHON, "-m", "engined.supervisor.ctl.cli", "--socket",
+                                 self.socket, *args], cwd=REPO_ROOT, env=_clean_env(),
+                                stdin=subprocess.DEVNULL, text=True, **kwargs)
 
     def http(self, method: str, path: str, body: bytes | None = None,
              headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:

@@ -43,7 +43,7 @@ from engined.supervisor.gateway.proxy import Proxy
 from engined.supervisor.gateway.relay import Relay
 from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.ipc import EngineChannels
-from engined.supervisor.loopmonitor import LagHistogram
+from engined.supervisor.lifecycle.loopmonitor import LagHistogram
 from engined.supervisor.routing import PINNED, Closing, QueueFull, Router, UnknownModel
 from engined.supervisor.webserver import ApiKey, BodyTimeout, read_body
 

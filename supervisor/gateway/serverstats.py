@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engined.engine import protocol as proto
-from engined.supervisor.incarnation import Incarnation
-from engined.supervisor.replica import Replica
+from engined.supervisor.lifecycle.incarnation import Incarnation
+from engined.supervisor.lifecycle.replica import Replica
 from engined.supervisor.routing import PINNED, Router
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 
 from engined.supervisor.ipc import EngineLost
-from engined.supervisor.notices import Lost
+from engined.supervisor.lifecycle.notices import Lost
 
 log = logging.getLogger("engined.gateway")
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from engined.supervisor.policy import ExitStatus
+from engined.supervisor.lifecycle.policy import ExitStatus
 
 
 @dataclass(frozen=True)

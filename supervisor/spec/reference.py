@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from engined.supervisor.reload import LIVE_SUPERVISOR_KEYS, ReloadPlan, plan_reload
+from engined.supervisor.lifecycle.reload import LIVE_SUPERVISOR_KEYS, ReloadPlan, plan_reload
 from engined.supervisor.spec import FleetSpec, SpecError, parse_fleet
 from engined.supervisor.spec.checks import _fmt_duration
 from engined.supervisor.spec.format import ENGINE_ROW_KINDS

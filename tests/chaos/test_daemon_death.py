@@ -169,7 +169,7 @@ def test_sigkill_moments_after_start_leaves_no_engine(short_tmp, rng: random.Ran
         sock = str(short_tmp / "rt" / "control.sock")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            out = subprocess.run([PYTHON, "-m", "engined.supervisor.cli", "--socket", sock,
+            out = subprocess.run([PYTHON, "-m", "engined.supervisor.ctl.cli", "--socket", sock,
                                   "status", "--json"], cwd=REPO_ROOT, env=_clean_env(),
                                  capture_output=True, text=True, timeout=30)
             if out.returncode == 0:

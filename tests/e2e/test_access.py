@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a
 _AS_OTHER_UID = f"""
 import os, socket, sys
 import argparse, gettext, http.client, json, shutil, textwrap  # noqa: F401
-import engined.supervisor.cli
+import engined.supervisor.ctl.cli
 # Everything is imported before dropping privileges: the interpreter's stdlib may live under a
 # directory the other uid cannot read (e.g. /root/.pyenv).
 os.setgroups([])
@@ -55,7 +55,7 @@ if sys.argv[1] == "--raw":
         reply += chunk
     print(reply.decode("latin-1"))
     sys.exit(0)
-sys.exit(engined.supervisor.cli.main(sys.argv[1:]))
+sys.exit(engined.supervisor.ctl.cli.main(sys.argv[1:]))
 """
 
 

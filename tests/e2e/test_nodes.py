@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _enginectl(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "engined.supervisor.cli", *args], capture_output=True,
+    return subprocess.run([PYTHON, "-m", "engined.supervisor.ctl.cli", *args], capture_output=True,
                           text=True, timeout=timeout_s)
 
 
@@ -86,7 +86,7 @@ def test_enginectl_across_nodes(engined, short_tmp: Path):
     assert [e["at"] for e in events] == sorted(e["at"] for e in events)
     assert any(e["node"] == "a" and e["engine"] == "echo-0" and e["to"] == "STOPPING"
                for e in events), events
-    follow = subprocess.Popen([PYTHON, "-m", "engined.supervisor.cli", *hosts, "events", "-n",
+    follow = subprocess.Popen([PYTHON, "-m", "engined.supervisor.ctl.cli", *hosts, "events", "-n",
                                "1", "-f"], stdout=subprocess.PIPE, text=True)
     try:
         assert json.loads(follow.stdout.readline())["node"] == "a"  # the last, of any node

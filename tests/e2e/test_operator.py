@@ -63,7 +63,7 @@ def test_status_watch_redraws_in_a_real_terminal(engined, short_tmp):
     session = f"engined-watch-{os.getpid()}"
     env_prefix = f"ENGINED_SOCKET={d.socket}"
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "20",
-                    f"{env_prefix} {PYTHON} -m engined.supervisor.cli status --watch"],
+                    f"{env_prefix} {PYTHON} -m engined.supervisor.ctl.cli status --watch"],
                    check=True, timeout=10)
     try:
         pids = {n: e["pid"] for n, e in d.engines().items()}
@@ -90,7 +90,7 @@ def test_status_watch_redraws_in_a_real_terminal(engined, short_tmp):
 
 def test_bash_completion_completes_commands_and_engine_names(engined, short_tmp):
     d = engined([ECHO])
-    script = subprocess.run([PYTHON, "-m", "engined.supervisor.cli", "completion", "bash"],
+    script = subprocess.run([PYTHON, "-m", "engined.supervisor.ctl.cli", "completion", "bash"],
                             capture_output=True, text=True, timeout=30, check=True).stdout
     path = short_tmp / "enginectl.bash"
     path.write_text(script)
@@ -101,8 +101,9 @@ def test_bash_completion_completes_commands_and_engine_names(engined, short_tmp)
                  f"COMP_CWORD={len(words) - 1}\nCOMP_LINE={line!r}\nCOMP_POINT={len(line)}\n"
                  f"_enginectl\nprintf '%s\\n' \"${{COMPREPLY[@]}}\"\n")
         done = subprocess.run(["bash", "--norc", "-c", probe], capture_output=True, text=True,
-                              timeout=30, env={**os.environ, "ENGINED_SOCKET": d.socket,
-                                               "ENGINECTL": f"{PYTHON} -m engined.supervisor.cli"})
+                              timeout=30, env={
+                                  **os.environ, "ENGINED_SOCKET": d.socket,
+                                  "ENGINECTL": f"{PYTHON} -m engined.supervisor.ctl.cli"})
         assert done.returncode == 0, done
         return sorted(done.stdout.split())
 
@@ -112,7 +113,7 @@ def test_bash_completion_completes_commands_and_engine_names(engined, short_tmp)
     registered = subprocess.run(["bash", "--norc", "-c", f"source {path}; complete -p enginectl"],
                                 capture_output=True, text=True, timeout=30)
     assert "-F _enginectl" in registered.stdout, registered
-    assert subprocess.run([PYTHON, "-m", "engined.supervisor.cli", "completion", "zsh"],
+    assert subprocess.run([PYTHON, "-m", "engined.supervisor.ctl.cli", "completion", "zsh"],
                           capture_output=True, text=True, timeout=30).stdout.startswith(
         "#compdef enginectl")
 

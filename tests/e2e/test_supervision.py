@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engined.supervisor.loopmonitor import TICK_S
+from engined.supervisor.lifecycle.loopmonitor import TICK_S
 from testkit.cpuburn import burning
 from testkit.driver import process_gone
 

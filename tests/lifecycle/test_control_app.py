@@ -13,11 +13,11 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from engined.engine import protocol as proto
-from engined.supervisor.control import ControlContext, make_app
-from engined.supervisor.events import EventLog
+from engined.supervisor.control.api import ControlContext, make_app
+from engined.supervisor.control.events import EventLog
 from engined.supervisor.ipc import RequestFailed
-from engined.supervisor.sampler import Sampler
-from engined.supervisor.state import EngineState
+from engined.supervisor.lifecycle.state import EngineState
+from engined.supervisor.observe.sampler import Sampler
 from lifecycle.fakes import World
 
 

@@ -8,8 +8,8 @@ import asyncio
 from collections.abc import Callable
 
 from engined.engine import protocol as proto
-from engined.supervisor.loopmonitor import LoopMonitor
-from engined.supervisor.probe import ProbeFailed, Prober, metric_sum
+from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
+from engined.supervisor.lifecycle.probe import ProbeFailed, Prober, metric_sum
 from engined.supervisor.spec import parse_fleet
 from lifecycle.autojump import VirtualClock, run
 

@@ -14,8 +14,8 @@ from engined.engine import protocol as proto
 from engined.supervisor.gateway.openai import ApiError, parse_completion
 from engined.supervisor.gateway.relay import Done, Piece, Relay
 from engined.supervisor.ipc import EngineLost, RequestFailed
+from engined.supervisor.lifecycle.state import EngineState as S
 from engined.supervisor.routing import NoReplica
-from engined.supervisor.state import EngineState as S
 from lifecycle.fakes import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, World, scenario
 
 

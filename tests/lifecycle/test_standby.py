@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 
 from engined.engine import protocol as proto
-from engined.supervisor.state import EngineState as S
+from engined.supervisor.lifecycle.state import EngineState as S
 from lifecycle.autojump import run
 from lifecycle.fakes import HEARTBEAT_TIMEOUT_S, World
 from lifecycle.fakes import scenario as run_world

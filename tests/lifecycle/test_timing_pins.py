@@ -24,9 +24,9 @@ import socket
 
 import pytest
 
+from engined.supervisor.lifecycle.state import EngineState as S
+from engined.supervisor.observe.systemd import Notifier
 from engined.supervisor.routing import NoReplica
-from engined.supervisor.state import EngineState as S
-from engined.supervisor.systemd import Notifier
 from lifecycle.autojump import run
 from lifecycle.fakes import Behaviour, World, scenario
 

@@ -10,7 +10,7 @@ import sys
 import time
 
 from engined.supervisor.host.reaper import descendants
-from engined.supervisor.sampler import sample_trees
+from engined.supervisor.observe.sampler import sample_trees
 
 # a child that starts a grandchild in a session of its own, prints its pid, then waits
 SCRIPT = ("import subprocess, sys, time\n"

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from engined.supervisor.host.exits import watch_exit
-from engined.supervisor.policy import ExitStatus
+from engined.supervisor.lifecycle.policy import ExitStatus
 
 
 def _spawn(code: str) -> int:

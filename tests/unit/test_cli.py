@@ -21,7 +21,8 @@ import pytest
 from aiohttp import web
 
 from engined.engine import contract
-from engined.supervisor import cli, ctlformat
+from engined.supervisor.ctl import cli
+from engined.supervisor.ctl import format as ctlformat
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOW = time.time()
@@ -333,7 +334,7 @@ def test_logs_follow_streams_until_the_server_closes(
 
 
 def test_logs_follow_flushes_each_line_and_exits_0_on_ctrl_c(sock: str) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "engined.supervisor.cli", "logs", "tiny-1",
+    proc = subprocess.Popen([sys.executable, "-m", "engined.supervisor.ctl.cli", "logs", "tiny-1",
                              "-f"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         # The daemon keeps the stream open, so this line can only arrive through a flush.
@@ -500,19 +501,19 @@ def test_format_last_exit(last_exit: dict[str, Any] | None, expected: str) -> No
 
 def test_cli_imports_only_light_modules() -> None:
     proc = subprocess.run([sys.executable, "-X", "importtime", "-c",
-                           "import engined.supervisor.cli"], cwd=REPO_ROOT, capture_output=True,
+                           "import engined.supervisor.ctl.cli"], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     modules = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
                if line.startswith("import time:") and line.count("|") == 2}
-    assert "engined.supervisor.cli" in modules
+    assert "engined.supervisor.ctl.cli" in modules
     heavy = {m for m in modules
              if m.split(".")[0] in {"aiohttp", "yaml", "zmq", "pydantic", "msgspec", "torch"}}
     assert not heavy
 
 
 def test_runs_as_a_script(sock: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "engined.supervisor.cli", "status", "tiny-0"],
+    proc = subprocess.run([sys.executable, "-m", "engined.supervisor.ctl.cli", "status", "tiny-0"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert "tiny-0" in proc.stdout

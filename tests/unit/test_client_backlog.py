@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engined.supervisor import client
+from engined.supervisor.ctl import client
 
 
 def _fill(path: str) -> list[socket.socket]:

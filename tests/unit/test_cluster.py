@@ -9,7 +9,7 @@ import pytest
 
 from engined.supervisor.cluster import Load, Node, NodeRouter, Nodes, parse_loads
 from engined.supervisor.gateway.serverstats import render
-from engined.supervisor.notices import Lost
+from engined.supervisor.lifecycle.notices import Lost
 from engined.supervisor.routing import LostOn, NoReplica
 from engined.supervisor.spec import SpecError, parse_fleet
 from engined.supervisor.spec.model import UpstreamsSpec

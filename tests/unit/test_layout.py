@@ -110,8 +110,9 @@ def test_no_import_cycle() -> None:
 def test_the_checks_see_the_whole_tree() -> None:
     """A check over nothing passes: make sure these walk the real packages."""
     facts = fresh_facts()
-    assert {"engined.supervisor.replica", "engined.supervisor.host.launcher",
+    assert {"engined.supervisor.lifecycle.replica", "engined.supervisor.host.launcher",
             "engined.engine.core", "bench.vllm"} <= set(facts)
-    worker = set(facts["engined.supervisor.worker"]["imports"])  # type: ignore[call-overload]
-    assert {"engined.supervisor.replica", "engined.supervisor.incarnation"} <= worker
-    assert facts["engined.supervisor.replica"]["classes"]["Replica"] > 100  # type: ignore
+    worker = set(facts["engined.supervisor.lifecycle.worker"]["imports"])  # type: ignore[call-overload]
+    assert {"engined.supervisor.lifecycle.replica",
+            "engined.supervisor.lifecycle.incarnation"} <= worker
+    assert facts["engined.supervisor.lifecycle.replica"]["classes"]["Replica"] > 100  # type: ignore

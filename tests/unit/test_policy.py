@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from engined.supervisor.policy import (
+from engined.supervisor.lifecycle.policy import (
     Action,
     ExitStatus,
     FailureHistory,
@@ -17,8 +17,8 @@ from engined.supervisor.policy import (
     decide,
     exit_reason,
 )
+from engined.supervisor.lifecycle.state import EngineState, IllegalTransition, check_transition
 from engined.supervisor.spec import BackoffSpec, StartLimitSpec
-from engined.supervisor.state import EngineState, IllegalTransition, check_transition
 
 BACKOFF = BackoffSpec(initial_s=1.0, max_s=30.0, factor=2.0, jitter=0.1, reset_after_s=60.0)
 LIMIT = StartLimitSpec(burst=5, interval_s=120.0)

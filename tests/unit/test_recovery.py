@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from engined.engine.contract import ENV_OWNER
-from engined.supervisor import snapshot
-from engined.supervisor.recovery import Claimer, Orphan
+from engined.supervisor.upgrade import snapshot
+from engined.supervisor.upgrade.recovery import Claimer, Orphan
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 

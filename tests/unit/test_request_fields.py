@@ -10,7 +10,7 @@ import pytest
 
 from engined.supervisor import bodies
 from engined.supervisor import request_fields as fields
-from engined.supervisor.control import generate_request
+from engined.supervisor.control.api import generate_request
 from engined.supervisor.gateway.openai import ApiError, parse_chat, parse_completion
 
 BIG = fields.MAX_PROMPT_CHARS + 1

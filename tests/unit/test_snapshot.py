@@ -14,7 +14,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engined.supervisor import snapshot
+from engined.supervisor.upgrade import snapshot
 
 SAMPLE = Path(__file__).parent / "data" / "snapshot-format1.json"
 

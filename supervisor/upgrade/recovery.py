@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engined.supervisor import snapshot
-from engined.supervisor.handover import spec_digest
 from engined.supervisor.host.guard import ORPHANS_SOCKET, _mark, close_fds, pidfd_exited
-from engined.supervisor.replica import Replica
+from engined.supervisor.lifecycle.replica import Replica
+from engined.supervisor.upgrade import snapshot
+from engined.supervisor.upgrade.handover import spec_digest
 
 log = logging.getLogger("engined")
 

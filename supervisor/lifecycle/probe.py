@@ -38,9 +38,9 @@ from typing import TypeVar
 import aiohttp
 
 from engined.engine import protocol as proto
-from engined.supervisor.clock import Clock
-from engined.supervisor.loopmonitor import LoopMonitor
-from engined.supervisor.policy import Reason
+from engined.supervisor.lifecycle.clock import Clock
+from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
+from engined.supervisor.lifecycle.policy import Reason
 from engined.supervisor.spec import EngineSpec
 
 log = logging.getLogger("engined.probe")

@@ -21,16 +21,16 @@ from aiohttp import web
 from engined.engine import protocol as proto
 from engined.supervisor import __version__, bodies
 from engined.supervisor import request_fields as fields
-from engined.supervisor.events import EventLog
-from engined.supervisor.fleet import Fleet, UnknownEngine
-from engined.supervisor.handover import HandoverRejected
+from engined.supervisor.control.events import EventLog
 from engined.supervisor.ipc import EngineChannels, RequestFailed, RequestStream, new_request_id
-from engined.supervisor.reload import ReloadRejected
-from engined.supervisor.replica import Replica
+from engined.supervisor.lifecycle.fleet import Fleet, UnknownEngine
+from engined.supervisor.lifecycle.reload import ReloadRejected
+from engined.supervisor.lifecycle.replica import Replica
+from engined.supervisor.lifecycle.state import EngineState
+from engined.supervisor.lifecycle.view import EngineView
+from engined.supervisor.observe.sampler import Sample, Sampler
 from engined.supervisor.routing import Lease, NoReplica, Router
-from engined.supervisor.sampler import Sample, Sampler
-from engined.supervisor.state import EngineState
-from engined.supervisor.view import EngineView
+from engined.supervisor.upgrade.handover import HandoverRejected
 from engined.supervisor.webserver import LONG_LIVED, ApiKey, BodyTimeout, read_body
 
 log = logging.getLogger("engined.control")

@@ -21,8 +21,8 @@ import random
 import socket
 from dataclasses import dataclass
 
-from engined.supervisor.history import Down, SpawnFailure
-from engined.supervisor.policy import (
+from engined.supervisor.lifecycle.history import Down, SpawnFailure
+from engined.supervisor.lifecycle.policy import (
     Action,
     Decision,
     ExitStatus,
@@ -31,7 +31,7 @@ from engined.supervisor.policy import (
     decide,
     decide_spawn_failure,
 )
-from engined.supervisor.replica import Replica
+from engined.supervisor.lifecycle.replica import Replica
 
 log = logging.getLogger("engined.group")
 

@@ -11,7 +11,7 @@ import collections
 import time
 from typing import Any, Callable
 
-from engined.supervisor.view import EngineView
+from engined.supervisor.lifecycle.view import EngineView
 
 KEPT = 1000  # recent events served to a new reader
 FOLLOWER_BACKLOG = 10_000  # a stuck follower must not grow without bound

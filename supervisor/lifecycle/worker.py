@@ -18,12 +18,12 @@ from typing import Any
 from engined.supervisor.host import scratch
 from engined.supervisor.host.gpus import wait_gpu_released
 from engined.supervisor.host.launcher import Child, owner_token
-from engined.supervisor.incarnation import Incarnation
+from engined.supervisor.lifecycle.incarnation import Incarnation
+from engined.supervisor.lifecycle.notices import Lost
+from engined.supervisor.lifecycle.policy import Reason, check_liveness, reached
+from engined.supervisor.lifecycle.replica import Command, Replica
+from engined.supervisor.lifecycle.state import EngineState
 from engined.supervisor.logs import PipeReader
-from engined.supervisor.notices import Lost
-from engined.supervisor.policy import Reason, check_liveness, reached
-from engined.supervisor.replica import Command, Replica
-from engined.supervisor.state import EngineState
 
 log = logging.getLogger("engined.engine")
 

@@ -16,11 +16,11 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from engined.supervisor.policy import Reason
-from engined.supervisor.replica import Replica
+from engined.supervisor.lifecycle.policy import Reason
+from engined.supervisor.lifecycle.replica import Replica
+from engined.supervisor.lifecycle.state import EngineState
+from engined.supervisor.lifecycle.view import EngineView
 from engined.supervisor.routing import Router
-from engined.supervisor.state import EngineState
-from engined.supervisor.view import EngineView
 
 log = logging.getLogger("engined.rollout")
 

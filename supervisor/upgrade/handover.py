@@ -34,17 +34,18 @@ from typing import Any, Protocol
 import msgspec
 
 from engined.engine import protocol as proto
-from engined.supervisor import __version__, snapshot
+from engined.supervisor import __version__
 from engined.supervisor.host.exits import ChildWatcher
 from engined.supervisor.host.guard import close_fds, pidfd_exited
 from engined.supervisor.host.launcher import Child
 from engined.supervisor.host.reaper import descendants
-from engined.supervisor.incarnation import Incarnation
+from engined.supervisor.lifecycle.incarnation import Incarnation
+from engined.supervisor.lifecycle.policy import FailureHistory, Reason
+from engined.supervisor.lifecycle.replica import Desired, Replica, reattached
+from engined.supervisor.lifecycle.state import EngineState
+from engined.supervisor.lifecycle.view import LastExit
 from engined.supervisor.logs import PipeReader
-from engined.supervisor.policy import FailureHistory, Reason
-from engined.supervisor.replica import Desired, Replica, reattached
-from engined.supervisor.state import EngineState
-from engined.supervisor.view import LastExit
+from engined.supervisor.upgrade import snapshot
 
 log = logging.getLogger("engined")
 

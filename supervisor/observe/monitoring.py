@@ -17,12 +17,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engined.supervisor.cluster import Nodes
-from engined.supervisor.fleet import Fleet
 from engined.supervisor.gateway.app import Gateway
 from engined.supervisor.ipc import EngineChannels
-from engined.supervisor.loopmonitor import LoopMonitor
-from engined.supervisor.metrics import FleetCollector, make_registry, render
-from engined.supervisor.sampler import Sampler
+from engined.supervisor.lifecycle.fleet import Fleet
+from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
+from engined.supervisor.observe.metrics import FleetCollector, make_registry, render
+from engined.supervisor.observe.sampler import Sampler
 
 
 class MonitoringEndpoint:

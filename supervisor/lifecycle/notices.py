@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from engined.supervisor.state import EngineState
-from engined.supervisor.view import EngineView
+from engined.supervisor.lifecycle.state import EngineState
+from engined.supervisor.lifecycle.view import EngineView
 
 log = logging.getLogger("engined.notices")
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 from engined.engine import protocol as proto
 from engined.supervisor.host.launcher import Child
-from engined.supervisor.liveness import Kind
-from engined.supervisor.liveness import Liveness as LivenessStrategy
+from engined.supervisor.lifecycle.liveness import Kind
+from engined.supervisor.lifecycle.liveness import Liveness as LivenessStrategy
+from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
+from engined.supervisor.lifecycle.policy import Liveness, reached
 from engined.supervisor.logs import PipeReader
-from engined.supervisor.loopmonitor import LoopMonitor
-from engined.supervisor.policy import Liveness, reached
 from engined.supervisor.spec import EngineSpec
 
 KILL_WAIT_S = 5.0  # after SIGKILL a process is normally reaped in milliseconds

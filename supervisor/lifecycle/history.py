@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engined.engine.contract import CONFIG_LINE_PREFIX, EXIT_CONFIG
-from engined.supervisor.clock import Clock
 from engined.supervisor.host.exits import ExitRecord
 from engined.supervisor.host.oom import OomWitness
-from engined.supervisor.incarnation import Incarnation
+from engined.supervisor.lifecycle.clock import Clock
+from engined.supervisor.lifecycle.incarnation import Incarnation
+from engined.supervisor.lifecycle.policy import ExitStatus, Reason, exit_reason
+from engined.supervisor.lifecycle.view import LastExit
 from engined.supervisor.logs import LogSink
-from engined.supervisor.policy import ExitStatus, Reason, exit_reason
-from engined.supervisor.view import LastExit
 
 EXIT_TAIL_LINES = 40  # a fault report with its stack (fork-served engines have 5 frames more)
 

@@ -21,11 +21,11 @@ from prometheus_client.core import (
 from engined.supervisor import __version__
 from engined.supervisor.gateway.app import OUTCOMES as GATEWAY_OUTCOMES
 from engined.supervisor.gateway.app import GatewayStats
-from engined.supervisor.loopmonitor import LoopMonitor
-from engined.supervisor.policy import Reason
-from engined.supervisor.sampler import Sample
-from engined.supervisor.state import EngineState
-from engined.supervisor.view import EngineView
+from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
+from engined.supervisor.lifecycle.policy import Reason
+from engined.supervisor.lifecycle.state import EngineState
+from engined.supervisor.lifecycle.view import EngineView
+from engined.supervisor.observe.sampler import Sample
 
 REQUEST_OUTCOMES = ("ok", "error", "timeout")
 

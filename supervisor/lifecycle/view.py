@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engined.engine import protocol as proto
-from engined.supervisor.state import EngineState
+from engined.supervisor.lifecycle.state import EngineState
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,13 @@ import sys
 import time
 from typing import Any, Protocol
 
-from engined.supervisor import __version__, handover, recovery, snapshot
+from engined.supervisor import __version__
 from engined.supervisor.host.reaper import children_of
 from engined.supervisor.host.runtime import RuntimeLock
-from engined.supervisor.reload import plan_reload
+from engined.supervisor.lifecycle.reload import plan_reload
 from engined.supervisor.services import Paths, Services, status_line
 from engined.supervisor.spec import FleetSpec, SpecError, load_fleet
+from engined.supervisor.upgrade import handover, recovery, snapshot
 from engined.supervisor.webserver import CappedRunner
 
 log = logging.getLogger("engined")

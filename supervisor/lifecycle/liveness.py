@@ -23,10 +23,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engined.engine import protocol as proto
-from engined.supervisor.clock import Clock
-from engined.supervisor.loopmonitor import LoopMonitor
-from engined.supervisor.policy import Reason
-from engined.supervisor.probe import ProbeClient, Prober
+from engined.supervisor.lifecycle.clock import Clock
+from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
+from engined.supervisor.lifecycle.policy import Reason
+from engined.supervisor.lifecycle.probe import ProbeClient, Prober
 from engined.supervisor.spec import EngineSpec
 
 Deliver = Callable[[proto.ChildMessage], object]

@@ -26,22 +26,22 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from engined.engine import protocol as proto
-from engined.supervisor.clock import Clock, to_wall
-from engined.supervisor.history import Down, History, SpawnFailure
 from engined.supervisor.host.gpus import Nvml
 from engined.supervisor.host.launcher import Launcher
 from engined.supervisor.host.oom import OomWitness
 from engined.supervisor.host.reaper import Reaper
-from engined.supervisor.incarnation import Incarnation
-from engined.supervisor.liveness import HeartbeatLiveness, Liveness, ProbeLiveness
+from engined.supervisor.lifecycle.clock import Clock, to_wall
+from engined.supervisor.lifecycle.history import Down, History, SpawnFailure
+from engined.supervisor.lifecycle.incarnation import Incarnation
+from engined.supervisor.lifecycle.liveness import HeartbeatLiveness, Liveness, ProbeLiveness
+from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
+from engined.supervisor.lifecycle.notices import Notices, StateChange
+from engined.supervisor.lifecycle.policy import Action, Decision, FailureHistory, Reason
+from engined.supervisor.lifecycle.probe import ProbeClient
+from engined.supervisor.lifecycle.state import EngineState, check_transition
+from engined.supervisor.lifecycle.view import EngineView
 from engined.supervisor.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, LogSink, StdoutLines
-from engined.supervisor.loopmonitor import LoopMonitor
-from engined.supervisor.notices import Notices, StateChange
-from engined.supervisor.policy import Action, Decision, FailureHistory, Reason
-from engined.supervisor.probe import ProbeClient
 from engined.supervisor.spec import EngineSpec
-from engined.supervisor.state import EngineState, check_transition
-from engined.supervisor.view import EngineView
 
 log = logging.getLogger("engined.engine")
 

@@ -18,8 +18,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from engined.supervisor.clock import Clock
-from engined.supervisor.policy import NO_PAUSES, Pauses
+from engined.supervisor.lifecycle.clock import Clock
+from engined.supervisor.lifecycle.policy import NO_PAUSES, Pauses
 
 log = logging.getLogger("engined.loop")
 

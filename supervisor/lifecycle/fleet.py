@@ -11,17 +11,17 @@ import random
 from typing import Callable
 
 from engined.engine import protocol as proto
-from engined.supervisor.clock import Clock
-from engined.supervisor.groups import Gang, Group, ReplicaGroup
-from engined.supervisor.policy import Reason
-from engined.supervisor.reload import ReloadPlan
-from engined.supervisor.replica import AddressBook, Owner, Replica
-from engined.supervisor.rollout import Rollout
+from engined.supervisor.lifecycle.clock import Clock
+from engined.supervisor.lifecycle.groups import Gang, Group, ReplicaGroup
+from engined.supervisor.lifecycle.policy import Reason
+from engined.supervisor.lifecycle.reload import ReloadPlan
+from engined.supervisor.lifecycle.replica import AddressBook, Owner, Replica
+from engined.supervisor.lifecycle.rollout import Rollout
+from engined.supervisor.lifecycle.state import EngineState
+from engined.supervisor.lifecycle.view import FleetView
+from engined.supervisor.lifecycle.worker import supervise
 from engined.supervisor.routing import Router
 from engined.supervisor.spec import EngineSpec, FleetSpec
-from engined.supervisor.state import EngineState
-from engined.supervisor.view import FleetView
-from engined.supervisor.worker import supervise
 
 log = logging.getLogger("engined.fleet")
 
