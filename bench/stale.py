@@ -7,8 +7,9 @@ changes in FILES` when the tree differed), `- command: ...` (the `python -m benc
 it), and for a frozen study `- frozen: why` (its code has left the tree; its command checks out
 the commit that makes it again). A maintained result is stale when the files its benchmark is
 made of (the modules under bench/ and the testkit/ modules they import, found by walking the
-imports from bench.NAME) differ between its commit and HEAD, or were among its uncommitted
-changes. tests/bench/test_bench_package.py fails on any problem this finds.
+imports from bench.NAME) differ between its commit and HEAD (in what they do: imports, comments
+and layout aside), or were among its uncommitted changes. tests/bench/test_bench_package.py
+fails on any problem this finds.
 """
 
 from __future__ import annotations
@@ -108,10 +109,28 @@ def check(path: Path) -> tuple[str, list[str]]:
                .replace(",", " ").split()]
     if changed:
         problems.append(f"made with uncommitted changes in its own code: {', '.join(changed)}")
-    differ = git("diff", "--name-only", sha, "HEAD", "--", *files).split()
+    differ = [f for f in git("diff", "--name-only", sha, "HEAD", "--", *files).split()
+              if _code(git("show", f"{sha}:{f}")) != _code((ROOT / f).read_text())]
     if differ:
         problems.append(f"older than its code: {', '.join(differ)} changed since {sha[:12]}")
     return sha, problems
+
+
+def _code(source: str) -> str:
+    """What a file does, for comparing two versions of it: its syntax tree without its imports
+    (a module that moved is imported from elsewhere, and measures the same), comments and
+    layout; source that does not parse is compared as it is."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            block = getattr(node, field, None)
+            if isinstance(block, list):
+                kept = [n for n in block if not isinstance(n, (ast.Import, ast.ImportFrom))]
+                setattr(node, field, kept or [ast.Pass()])
+    return ast.dump(tree)
 
 
 def is_ancestor(sha: str) -> bool:

@@ -99,3 +99,14 @@ def test_results_name_their_commit_and_are_not_older_than_their_code() -> None:
 def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items()
             if not k.startswith("ENGINED_") and k not in ("NOTIFY_SOCKET", "PYTHONPATH")}
+
+
+def test_a_result_is_older_than_what_its_code_does_not_how_it_imports() -> None:
+    """A module that moved is imported from elsewhere and measures the same; a changed value
+    is a changed benchmark."""
+    before = "import a.b\nfrom c import d  # why\n\ndef f():\n    from e import g\n    return 2\n"
+    moved = ("from x.b import b as b2\nfrom c import d\n\n\ndef f():\n    from x.e import g\n"
+             "    return 2\n")
+    changed = before.replace("return 2", "return 3")
+    assert stale._code(before) == stale._code(moved)
+    assert stale._code(before) != stale._code(changed)
