@@ -175,9 +175,9 @@ class Fleet:
         """Carry out a reload plan: only added, removed and changed replicas are touched."""
         self.spec = spec
         for engine in plan.unchanged:
-            self.replicas[engine.name].spec = engine  # equivalent spec (e.g. new group size)
+            self.replicas[engine.name].respec(engine)  # equivalent (e.g. new group size)
         for engine in plan.changed:
-            self.replicas[engine.name].spec = engine
+            self.replicas[engine.name].respec(engine)
         for name in plan.removed:
             self._retire(self.replicas.pop(name))
         added = []
@@ -224,7 +224,7 @@ class Fleet:
                 owner.members = []
                 self.groups[engine.group] = owner
             owner.members.append(replica)
-            replica.owner = owner
+            replica.join(owner)
 
     def _retire(self, replica: Replica) -> None:
         """Stop a removed replica in the background and drop it once it is down."""

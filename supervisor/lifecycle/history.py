@@ -8,6 +8,7 @@ import collections
 import dataclasses
 import errno
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,17 @@ class History:
     cleanup: dict[str, float] = field(default_factory=dict)
     cpu_seconds_exited: float = 0.0
     oom_exited: int = 0  # out-of-memory steps of earlier incarnations (engine.memory)
+
+    def restore(self, restarts: Mapping[Reason, int], requests: Mapping[str, int],
+                last_exit: LastExit | None, startup_s: float | None,
+                cpu_seconds_exited: float, oom_exited: int) -> None:
+        """The record an earlier engined kept (supervisor.upgrade's hand-over and adoption)."""
+        self.restarts.update(restarts)
+        self.requests.update(requests)
+        if last_exit is not None:
+            self.last_exit = last_exit
+        self.startup_s, self.cpu_seconds_exited = startup_s, cpu_seconds_exited
+        self.oom_exited = oom_exited
 
     def view_fields(self) -> dict[str, Any]:
         return {"restarts_by_reason": tuple((r.value, n) for r, n in self.restarts.items()),

@@ -30,6 +30,7 @@ from engined.supervisor.host.gpus import Nvml
 from engined.supervisor.host.launcher import Launcher
 from engined.supervisor.host.oom import OomWitness
 from engined.supervisor.host.reaper import Reaper
+from engined.supervisor.lifecycle import messages
 from engined.supervisor.lifecycle.clock import Clock, to_wall
 from engined.supervisor.lifecycle.history import Down, History, SpawnFailure
 from engined.supervisor.lifecycle.incarnation import Incarnation
@@ -143,24 +144,16 @@ class ReplicaDeps:
         return HeartbeatLiveness(self.heartbeat_interval_s, self.heartbeat_timeout_s)
 
 
-class Replica:
-    def __init__(self, spec: EngineSpec, deps: ReplicaDeps, owner: Owner) -> None:
-        self.spec, self.deps, self.owner, self.clock = spec, deps, owner, deps.clock
-        self.log = LogSink(deps.log_dir / f"{spec.name}.log", deps.log_max_bytes,
-                           deps.log_backups, deps.stdout, spec.name)
-        self.state = EngineState.STOPPED
-        self.desired = Desired.RUN
-        self.incarnation = 0  # how many incarnations this replica has had (promotions count)
-        self.current: Incarnation | None = None  # spawned (or spawning), exit not yet handled
-        self.previous: Incarnation | None = None  # the last one, for status after its exit
-        self.history = History(self.log)
-        self.since = self.clock.wall()
-        self.restart_at: float | None = None  # monotonic, while a backoff waits
-        self.fail_reason = ""
-        self.intent = Intent()
-        self.task: asyncio.Task[None] | None = None  # its worker (supervisor.worker.supervise)
-        self._changed = asyncio.Event()
-        self._bound: list[Address] = []
+class Slot:
+    """What a replica is now, derived from its fields: the read side (Replica writes them)."""
+
+    spec: EngineSpec
+    state: EngineState
+    desired: Desired
+    current: Incarnation | None
+    previous: Incarnation | None
+    intent: Intent
+    task: asyncio.Task[None] | None
 
     @property
     def name(self) -> str:
@@ -170,6 +163,11 @@ class Replica:
     def standby(self) -> bool:
         """A warm spare: built and heartbeating, not routed; promoted when a replica dies."""
         return self.spec.standby
+
+    @property
+    def wakeup(self) -> asyncio.Event:
+        """Set to have its worker look again (supervisor.lifecycle.worker)."""
+        return self.intent.wakeup
 
     @property
     def wanted(self) -> bool:
@@ -221,33 +219,32 @@ class Replica:
         return (self.standby and inc is not None and inc.vitals is not None
                 and inc.vitals.phase == "serving")
 
+
+class Replica(Slot):
+    def __init__(self, spec: EngineSpec, deps: ReplicaDeps, owner: Owner) -> None:
+        self.spec, self.deps, self.owner, self.clock = spec, deps, owner, deps.clock
+        self.log = LogSink(deps.log_dir / f"{spec.name}.log", deps.log_max_bytes,
+                           deps.log_backups, deps.stdout, spec.name)
+        self.state = EngineState.STOPPED
+        self.desired = Desired.RUN
+        self.incarnation = 0  # how many incarnations this replica has had (promotions count)
+        self.current: Incarnation | None = None  # spawned (or spawning), exit not yet handled
+        self.previous: Incarnation | None = None  # the last one, for status after its exit
+        self.history = History(self.log)
+        self.since = self.clock.wall()
+        self.restart_at: float | None = None  # monotonic, while a backoff waits
+        self.fail_reason = ""
+        self.intent = Intent()
+        self.task: asyncio.Task[None] | None = None  # its worker (supervisor.worker.supervise)
+        self._changed = asyncio.Event()
+        self._bound: list[Address] = []
+
     def count_request(self, outcome: str) -> None:
         self.history.requests[outcome] += 1
         self.deps.counted()
 
     def view(self) -> EngineView:
-        inc = self.current or self.previous
-        vitals = inc.vitals if inc is not None else None
-        live = vitals if self.pid is not None else None
-        seen_at = vitals.heartbeat_at if vitals else None
-        child = inc.child if inc is not None else None
-        spec, now = self.spec, self.clock.monotonic()
-        return EngineView(
-            name=spec.name, group=spec.group, rank=spec.rank, model=spec.model.source,
-            gpus=spec.gpus, state=self.state, wanted=self.wanted, pid=self.pid,
-            incarnation=self.incarnation, since=self.since,
-            spawned_at=to_wall(self.clock, vitals.spawned_at) if vitals else None,
-            heartbeat_at=to_wall(self.clock, seen_at) if seen_at is not None else None,
-            heartbeat_age_s=(round(now - seen_at, 3)
-                             if live is not None and seen_at is not None else None),
-            heartbeat=live.heartbeat if live else None, ready=vitals.ready if vitals else None,
-            phase=vitals.phase if vitals else "",
-            restart_at=to_wall(self.clock, self.restart_at) if self.restart_at else None,
-            fail_reason=self.fail_reason, data_parallel=spec.data_parallel,
-            port=child.port if child is not None else None, command=spec.is_command,
-            standby=spec.standby, launcher=child.launcher if child is not None else "",
-            adopted_at=inc.adopted_at if inc is not None else None,
-            **self.history.view_fields())
+        return view_of(self)
 
     # --- what the owner tells it -------------------------------------------------------------
     def apply(self, decision: Decision, reason: Reason) -> None:
@@ -376,40 +373,78 @@ class Replica:
             self.deps.addresses.unbind(address, self)
         self.log.close()
 
-    # --- messages from its processes ---------------------------------------------------------
+    # --- messages from its processes (supervisor.lifecycle.messages) -----------------------
     def on_message(self, msg: proto.ChildMessage) -> bool:
         """Apply a message from the child; False if it is from another incarnation."""
-        inc, address = self.current, (msg.engine, msg.incarnation)
-        if inc is not None and not inc.attached and address == inc.address:
-            inc.early.append(msg)  # its spawn has not returned yet
-            return True
-        if isinstance(msg, proto.Goodbye) and address in self._bound:
-            # A cleanup report may arrive after an immediate restart already began: it changes
-            # no state, so keep it (with its incarnation) rather than drop it as stale.
-            self.history.cleanup = {**msg.cleanup, "incarnation": float(msg.incarnation)}
-            return True
-        if inc is None or address != inc.address or inc.vitals is None or not inc.alive:
-            return False
-        now = self.clock.monotonic()
-        if isinstance(msg, proto.Heartbeat):
-            if self.state is EngineState.STARTING and inc.adopted_at is not None:
-                reattached(self)  # adopted loading: it heartbeats only once past its READY
-            if inc.on_heartbeat(msg, now):  # work began: the stall deadline may now come first
-                self.intent.wakeup.set()
-            # Otherwise a heartbeat only moves deadlines later: the watcher re-checks at the old
-            # deadline with fresh data, and a fleet of idle engines costs no wake-ups.
-        elif isinstance(msg, proto.Ready):
-            if inc.reattaching:  # a command engine's first passing probe after an upgrade
-                reattached(self)
-            elif self.state is EngineState.STARTING:
-                self.history.startup_s = inc.on_ready(msg, now)
-                self.set_state(EngineState.READY)
-                log.info("[ready] %s pid %s incarnation %d in %.3fs (device %s)", self.name,
-                         inc.pid, self.incarnation, self.history.startup_s, msg.device)
-                self.intent.wakeup.set()
-        elif isinstance(msg, proto.Progress):
-            inc.on_progress(msg, now, self.state is EngineState.STARTING)
-        return True
+        return messages.deliver(self, msg)
+
+    def knows(self, address: Address) -> bool:
+        """Whether `address` is one of its last incarnations' (a late cleanup report's)."""
+        return address in self._bound
+
+    # --- what its worker tells it (supervisor.lifecycle.worker) -----------------------------
+    def watched(self, task: asyncio.Task[None]) -> None:
+        self.task = task
+
+    def spawning(self, inc: Incarnation) -> None:
+        """A spawn began: a fork server's round trip follows, and meanwhile the replica counts
+        as running (not settled; a stop, restart or a peer's stop is held for the new child)."""
+        self.current = inc
+        self.bind(inc.address)
+
+    def spawn_failed(self) -> None:
+        self.current = None
+
+    def spawned(self, number: int) -> None:
+        """The spawn of incarnation `number` returned a process: STARTING."""
+        self.incarnation, self.restart_at = number, None
+        self.set_state(EngineState.STARTING)
+
+    def exited(self, inc: Incarnation) -> None:
+        """Its process's exit is being handled: kept as `previous` for status."""
+        self.current, self.previous = None, inc
+
+    # --- what the fleet tells it (supervisor.lifecycle.fleet) ------------------------------
+    def respec(self, spec: EngineSpec) -> None:
+        """A reload's spec for it: equivalent (a new group size) or changed (it restarts)."""
+        self.spec = spec
+
+    def join(self, owner: Owner) -> None:
+        self.owner = owner
+
+    # --- what a hand-over restores (supervisor.upgrade): a record, not a transition ---------
+    def restore(self, incarnation: int, desired: Desired, state: EngineState,
+                fail_reason: str = "", spawn_due: float | None = None,
+                reason: Reason | None = None, restart_at: float | None = None) -> None:
+        """The replica as the engined it replaces (or that crashed) left it: set, not entered,
+        so nothing is published as a state change and no transition is checked. A spawn due
+        (a backoff, shown as `restart_at` when it waits) is scheduled for its worker."""
+        self.incarnation, self.desired, self.state = incarnation, desired, state
+        self.fail_reason, self.restart_at = fail_reason, restart_at
+        if spawn_due is not None:
+            self.intent.spawn_due, self.intent.reason = spawn_due, reason
+
+    def adopt(self, inc: Incarnation) -> None:
+        """A live process of its own, handed over or left by a crashed engined: STARTING until
+        it is reachable (`reattached`) or, if it was still loading, until its READY."""
+        self.current = inc
+        self.bind(inc.address)
+        self.state = EngineState.STARTING
+
+    def reattached(self) -> None:
+        """Its adopted incarnation is reachable again: READY as it was (its startup time and
+        its READY run are the ones it had)."""
+        inc = self.current
+        assert inc is not None and inc.vitals is not None
+        inc.reattaching = False
+        inc.vitals.phase = "serving"
+        inc.vitals.heartbeat_at = self.clock.monotonic()
+        log.info("[upgrade] %s pid %s incarnation %d re-attached", self.name, inc.pid,
+                 self.incarnation)
+        self.set_state(EngineState.READY)
+        if inc.resumed_since is not None:
+            self.since = inc.resumed_since  # in READY since before the hand-over
+        self.intent.wakeup.set()
 
     # --- state -------------------------------------------------------------------------------
     def set_state(self, new: EngineState) -> None:
@@ -429,32 +464,48 @@ class Replica:
             self.deps.addresses.unbind(self._bound.pop(0), self)
 
     def child_config(self, number: int) -> proto.EngineConfig:
-        spec, deps = self.spec, self.deps
-        return proto.EngineConfig(
-            # a standby is not a rank of the group (no data-parallel group has standbys)
-            name=spec.name, group=spec.group, rank=0 if spec.standby else spec.rank,
-            replicas=spec.replicas, incarnation=number, model=spec.model.source,
-            dtype=spec.model.dtype, gpus=list(spec.gpus), data_parallel=spec.data_parallel,
-            max_batch_size=spec.max_batch_size, threads=spec.threads,
-            memory_limit=spec.memory_limit,
-            control_endpoint=deps.control_endpoint, request_endpoint=deps.request_endpoint,
-            heartbeat_interval_s=deps.heartbeat_interval_s, rendezvous=self.owner.rendezvous,
-            python=spec.python, backend=spec.backend,
-            engine_args={key: json.loads(value) for key, value in spec.engine_args},
-            frontend_args={key: json.loads(value) for key, value in spec.frontend_args})
+        return child_config(self, number)
 
 
-def reattached(replica: Replica) -> None:
-    """Its incarnation, handed over by the engined this one replaced, is reachable again:
-    READY as it was (its startup time and its READY run are the ones it had)."""
-    inc = replica.current
-    assert inc is not None and inc.vitals is not None
-    inc.reattaching = False
-    inc.vitals.phase = "serving"
-    inc.vitals.heartbeat_at = replica.clock.monotonic()
-    log.info("[upgrade] %s pid %s incarnation %d re-attached", replica.name, inc.pid,
-             replica.incarnation)
-    replica.set_state(EngineState.READY)
-    if inc.resumed_since is not None:
-        replica.since = inc.resumed_since  # in READY since before the hand-over
-    replica.intent.wakeup.set()
+def view_of(replica: Replica) -> EngineView:
+    """The immutable snapshot status, metrics and health read (supervisor.lifecycle.view)."""
+    inc = replica.current or replica.previous
+    vitals = inc.vitals if inc is not None else None
+    live = vitals if replica.pid is not None else None
+    seen_at = vitals.heartbeat_at if vitals else None
+    child = inc.child if inc is not None else None
+    spec, clock = replica.spec, replica.clock
+    now = clock.monotonic()
+    return EngineView(
+        name=spec.name, group=spec.group, rank=spec.rank, model=spec.model.source,
+        gpus=spec.gpus, state=replica.state, wanted=replica.wanted, pid=replica.pid,
+        incarnation=replica.incarnation, since=replica.since,
+        spawned_at=to_wall(clock, vitals.spawned_at) if vitals else None,
+        heartbeat_at=to_wall(clock, seen_at) if seen_at is not None else None,
+        heartbeat_age_s=(round(now - seen_at, 3)
+                         if live is not None and seen_at is not None else None),
+        heartbeat=live.heartbeat if live else None, ready=vitals.ready if vitals else None,
+        phase=vitals.phase if vitals else "",
+        restart_at=to_wall(clock, replica.restart_at) if replica.restart_at else None,
+        fail_reason=replica.fail_reason, data_parallel=spec.data_parallel,
+        port=child.port if child is not None else None, command=spec.is_command,
+        standby=spec.standby, launcher=child.launcher if child is not None else "",
+        adopted_at=inc.adopted_at if inc is not None else None,
+        **replica.history.view_fields())
+
+
+def child_config(replica: Replica, number: int) -> proto.EngineConfig:
+    """What incarnation `number` of `replica` is started with (the engine child's config)."""
+    spec, deps = replica.spec, replica.deps
+    return proto.EngineConfig(
+        # a standby is not a rank of the group (no data-parallel group has standbys)
+        name=spec.name, group=spec.group, rank=0 if spec.standby else spec.rank,
+        replicas=spec.replicas, incarnation=number, model=spec.model.source,
+        dtype=spec.model.dtype, gpus=list(spec.gpus), data_parallel=spec.data_parallel,
+        max_batch_size=spec.max_batch_size, threads=spec.threads,
+        memory_limit=spec.memory_limit,
+        control_endpoint=deps.control_endpoint, request_endpoint=deps.request_endpoint,
+        heartbeat_interval_s=deps.heartbeat_interval_s, rendezvous=replica.owner.rendezvous,
+        python=spec.python, backend=spec.backend,
+        engine_args={key: json.loads(value) for key, value in spec.engine_args},
+        frontend_args={key: json.loads(value) for key, value in spec.frontend_args})

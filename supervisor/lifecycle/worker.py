@@ -35,8 +35,8 @@ def supervise(replica: Replica) -> None:
     if replica.current is None and replica.intent.spawn_due is None and replica.wanted \
             and replica.state is EngineState.STOPPED:
         replica.intent.spawn_due = replica.clock.monotonic()
-    replica.task = replica.deps.loop.create_task(ReplicaWorker(replica).run(),
-                                                 name=f"engine:{replica.name}")
+    replica.watched(replica.deps.loop.create_task(ReplicaWorker(replica).run(),
+                                                  name=f"engine:{replica.name}"))
 
 
 class ReplicaWorker:
@@ -88,27 +88,23 @@ class ReplicaWorker:
         address = (replica.name, number)
         inc = Incarnation(address, owner_token(replica.name, number),
                           self.deps.liveness_for(replica.spec, lambda: inc))
-        # A fork-server spawn takes a round trip: meanwhile the replica counts as running (not
-        # settled; a stop, restart or a peer's stop is held as a command for the new child)
-        replica.current = inc
-        replica.bind(address)
+        replica.spawning(inc)
         try:
             child = await self.deps.launcher.start(replica.spec, replica.child_config(number))
         except OSError as exc:
-            replica.current, command, intent.command = None, intent.command, None
+            replica.spawn_failed()
+            command, intent.command = intent.command, None
             scratch.remove(inc.token)  # made for it: unused
             replica.owner.on_spawn_failed(replica, replica.history.spawn_failed(exc, self.clock))
             if not replica.wanted and command is not None:
                 replica.set_state(EngineState.STOPPED)  # asked to stop meanwhile: it is
             return None
         except BaseException:
-            replica.current = None
+            replica.spawn_failed()
             raise
-        replica.incarnation = number
         early = inc.attach(child, PipeReader(self.deps.loop, child.output_fd, replica.log),
                            replica.log.lines_total)
-        replica.restart_at = None
-        replica.set_state(EngineState.STARTING)
+        replica.spawned(number)
         replica.log.note(f"spawned pid {child.pid} incarnation {number} by {child.launcher}")
         log.info("[spawn] %s pid %d incarnation %d by %s", replica.name, child.pid, number,
                  child.launcher)
@@ -198,7 +194,7 @@ class ReplicaWorker:
                  requested: Command | None) -> None:
         replica = self.replica
         assert inc.child is not None
-        replica.current, replica.previous = None, inc
+        replica.exited(inc)
         inc.ended()
         record = inc.child.exited.result()
         down = replica.history.exited(inc, record, killed_for, requested is not None,

@@ -41,7 +41,7 @@ from engined.supervisor.host.launcher import Child
 from engined.supervisor.host.reaper import descendants
 from engined.supervisor.lifecycle.incarnation import Incarnation
 from engined.supervisor.lifecycle.policy import FailureHistory, Reason
-from engined.supervisor.lifecycle.replica import Desired, Replica, reattached
+from engined.supervisor.lifecycle.replica import Desired, Replica
 from engined.supervisor.lifecycle.state import EngineState
 from engined.supervisor.lifecycle.view import LastExit
 from engined.supervisor.logs import PipeReader
@@ -185,39 +185,34 @@ def restore(replica: Replica, saved: snapshot.Replica, watcher: ChildWatcher,
     """The replica's record from `saved`; its live process adopted if `claim` proves it is the
     one saved. Returns the adopted incarnation (STARTING until it is reachable), or None (the
     replica spawns by its state, as at a start). `now_mono`: the snapshot's time."""
-    history = replica.history
+    restarts = {}
     for key, count in saved.restarts.items():
         try:
-            history.restarts[Reason(key)] = count
+            restarts[Reason(key)] = count
         except ValueError:
             log.warning("[upgrade] %s: unknown restart reason %r ignored", replica.name, key)
-    history.requests.update(saved.requests)
-    if saved.last_exit is not None:
-        history.last_exit = _last_exit(saved.last_exit)
-    history.startup_s = saved.startup_s
-    history.cpu_seconds_exited = saved.cpu_seconds_exited
-    history.oom_exited = saved.oom_exited
-    replica.incarnation = saved.incarnation
-    replica.desired = Desired(saved.desired)
+    replica.history.restore(
+        restarts, saved.requests, _last_exit(saved.last_exit) if saved.last_exit else None,
+        saved.startup_s, saved.cpu_seconds_exited, saved.oom_exited)
     replica.owner.resume_failures(replica, FailureHistory(
         saved.consecutive, tuple(now_mono - ago for ago in saved.failures), saved.shortages))
-    state = EngineState(saved.state)
+    state, desired = EngineState(saved.state), Desired(saved.desired)
     process = saved.process
     taken = claim(replica, process) if process is not None else None
     if process is None or taken is None:
         if state is EngineState.FAILED:
-            replica.fail_reason = saved.fail_reason
-            replica.state = state
-        elif not replica.wanted:
-            replica.state = EngineState.STOPPED
+            replica.restore(saved.incarnation, desired, state, fail_reason=saved.fail_reason)
+        elif desired is not Desired.RUN:
+            replica.restore(saved.incarnation, desired, EngineState.STOPPED)
         elif saved.restart_in_s is not None:
-            replica.intent.spawn_due = now_mono + max(0.0, saved.restart_in_s)
-            if saved.restart_in_s > 0:
-                replica.restart_at = replica.intent.spawn_due
-            if saved.restart_reason is not None:
-                replica.intent.reason = Reason(saved.restart_reason)
-            replica.state = EngineState.BACKOFF
+            reason = Reason(saved.restart_reason) if saved.restart_reason is not None else None
+            due = now_mono + max(0.0, saved.restart_in_s)
+            replica.restore(saved.incarnation, desired, EngineState.BACKOFF, spawn_due=due,
+                            reason=reason, restart_at=due if saved.restart_in_s > 0 else None)
+        else:
+            replica.restore(saved.incarnation, desired, replica.state)
         return None
+    replica.restore(saved.incarnation, desired, replica.state)
     return _adopt(replica, process, taken, watcher, now_mono, saved.since, how)
 
 
@@ -250,9 +245,7 @@ def _adopt(replica: Replica, process: snapshot.Process, taken: tuple[int | None,
     # crash) goes on loading: its own READY says when, its startup timeout still counts.
     inc.adopted_at, inc.reattaching = time.time(), process.ready_ago_s is not None
     inc.resumed_since = since if process.ready_ago_s is not None else None
-    replica.current = inc
-    replica.bind(inc.address)
-    replica.state = EngineState.STARTING
+    replica.adopt(inc)
     inc.liveness.begin(inc.address, child.port, replica.on_message, replica.intent.wakeup.set)
     replica.log.note(f"adopted pid {process.pid} (incarnation {inc.address[1]}) {how}")
     return inc
@@ -286,7 +279,7 @@ async def wait_reattached(pending: dict[Replica, Incarnation], reachable: Any,
             elif replica.state is EngineState.READY:
                 del pending[replica]
             elif not replica.spec.is_command and reachable(inc.address):
-                reattached(replica)
+                replica.reattached()
                 del pending[replica]
         if not pending or time.monotonic() >= deadline:
             return sorted(r.name for r in pending)
