@@ -166,8 +166,7 @@ class Fleet:
         for replica in replicas:
             replica.stop(deadline=deadline)
         await asyncio.gather(
-            *(r.wait_for(lambda v: v.pid is None and not v.wanted, budget + _RETIRE_MARGIN_S)
-              for r in replicas),
+            *(r.wait_stopped(budget + _RETIRE_MARGIN_S) for r in replicas),
             *self._retire_tasks, return_exceptions=True)
         await asyncio.gather(*(r.close() for r in replicas))
 
@@ -230,8 +229,7 @@ class Fleet:
         """Stop a removed replica in the background and drop it once it is down."""
         async def retire() -> None:
             replica.stop()
-            await replica.wait_for(lambda v: v.pid is None,
-                                   replica.spec.stop_timeout_s + _RETIRE_MARGIN_S)
+            await replica.wait_stopped(replica.spec.stop_timeout_s + _RETIRE_MARGIN_S)
             await replica.close()
             if self.retiring.get(replica.name) is replica:
                 del self.retiring[replica.name]

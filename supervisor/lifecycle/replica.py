@@ -365,6 +365,12 @@ class Replica(Slot):
                 return predicate(self.view())
         return True
 
+    async def wait_stopped(self, timeout_s: float) -> bool:
+        """Until it is stopped and no process of it is left or coming. A spawn in flight (a
+        fork server's round trip) has no pid yet but brings a child: its stop waits for it."""
+        return await self.wait_for(lambda view: self.current is None and not view.wanted,
+                                   timeout_s)
+
     async def close(self) -> None:
         if self.task is not None:
             self.task.cancel()

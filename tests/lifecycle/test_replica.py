@@ -67,6 +67,28 @@ def test_shutdown_stops_everything_under_one_shared_deadline(tmp_path):
                         {"name": "b", "stop_timeout": "20s"}], body)
 
 
+def test_a_shutdown_during_a_spawn_waits_for_its_child_and_stops_it(tmp_path):
+    """A replica whose spawn is in flight (a fork server's round trip) has no pid yet, but it is
+    not down: the shutdown waits for the child the spawn brings and stops it, rather than close
+    the replica under its spawn (which left the child unwatched, or, when the spawn's answer
+    and the close's cancellation met, a worker that never ended and a daemon that never
+    exited)."""
+    async def body(w: World) -> None:
+        await w.start("a-0")
+        w.launcher.spawn_delays["a-0"] = 1.0
+        first = w.child("a-0")
+        first.exit(None, signal.SIGKILL)  # the first restart is immediate: a spawn begins
+        await w.settle(0.5)
+        assert w.spawns("a-0") == 1 and w.replica("a-0").view().pid is None  # in flight
+        await asyncio.wait_for(w.fleet.shutdown(), 60)
+        assert w.spawns("a-0") == 2, "the spawn in flight came to its end"
+        second = w.child("a-0")
+        assert not second.alive and second.signals[0] == signal.SIGTERM, second.signals
+        assert w.state("a-0") is S.STOPPED and w.replica("a-0").view().pid is None
+
+    scenario(tmp_path, [{"name": "a"}], body)
+
+
 # --- restarts, backoff, start limit -----------------------------------------------------------
 
 def test_crash_loop_restarts_at_once_then_backs_off_then_fails(tmp_path):
