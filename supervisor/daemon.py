@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import dataclasses
 import enum
+import functools
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ from engined.engine.contract import (
 from engined.supervisor import __version__
 from engined.supervisor.host import scratch
 from engined.supervisor.host.fdreserve import raise_nofile_limit
+from engined.supervisor.host.gpus import visible_gpus
 from engined.supervisor.host.reaper import become_subreaper
 from engined.supervisor.host.runtime import (
     RuntimeLock,
@@ -40,10 +42,18 @@ from engined.supervisor.host.runtime import (
     resolve_runtime_dir,
 )
 from engined.supervisor.lifecycle.notices import StateChange
-from engined.supervisor.lifecycle.reload import LIVE_SUPERVISOR_KEYS, ReloadRejected, plan_reload
 from engined.supervisor.lifecycle.state import EngineState
 from engined.supervisor.services import Paths, Services, status_line
-from engined.supervisor.spec import FleetSpec, SpecError, format_fleet, host_warnings, load_fleet
+from engined.supervisor.spec import (
+    FleetSpec,
+    GpuLookup,
+    SpecError,
+    format_fleet,
+    host_warnings,
+    load_fleet,
+    no_gpus,
+)
+from engined.supervisor.spec.reload import LIVE_SUPERVISOR_KEYS, ReloadRejected, plan_reload
 from engined.supervisor.upgrade import handover, recovery, snapshot
 from engined.supervisor.upgrade.inplace import InPlace
 from engined.supervisor.webserver import CappedRunner
@@ -64,6 +74,7 @@ class Daemon:
     def __init__(self, spec: FleetSpec, paths: Paths, services: Services) -> None:
         self.spec, self.paths, self.services = spec, paths, services
         self.argv: list[str] = []  # engined's own arguments, for an upgrade's exec
+        self.gpus: GpuLookup = no_gpus  # this host's GPUs for `gpus: auto`, read once at start
         self.lock: RuntimeLock | None = None
         self.resumed: snapshot.Snapshot | None = None  # the hand-over this run began with
         self.claimer: recovery.Claimer | None = None  # set when resumed after engined died
@@ -202,7 +213,7 @@ class Daemon:
         async with self.reload_lock:
             s.notifier.reloading()
             try:
-                new = load_fleet(self.paths.config)
+                new = load_fleet(self.paths.config, gpus=self.gpus)
             except SpecError as exc:
                 log.error("[reload] invalid spec, nothing changed:\n%s", exc)
                 s.notifier.ready(status_line(s.fleet))
@@ -339,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
+    gpus = functools.cache(visible_gpus)  # `gpus: auto`: read once, when a spec asks for it
     try:
-        spec = load_fleet(args.config)
+        spec = load_fleet(args.config, gpus=gpus)
     except SpecError as exc:
         print(f"engined: invalid fleet spec:\n{exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -349,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"engined: warning: {warning}", file=sys.stderr)
         try:
             print(format_fleet(spec))
+            if gpus.cache_info().currsize:  # an engine asked for `gpus: auto`: what was found
+                found, source = gpus()
+                print(f"gpus: auto: {len(found)} GPU(s) visible to engined on this host "
+                      f"({source}): {','.join(map(str, found)) or 'none, the CPU'}")
         except BrokenPipeError:  # `engined --check | head`
             pass
         return EXIT_OK
@@ -387,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal daemon
         daemon = await Daemon.create(spec, paths)
         daemon.argv, daemon.lock, daemon.resumed = own_argv(args), lock, resumed
+        daemon.gpus = gpus
         daemon.claimer = claimer
         return await daemon.run()
 

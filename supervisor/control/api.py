@@ -24,12 +24,12 @@ from engined.supervisor import request_fields as fields
 from engined.supervisor.control.events import EventLog
 from engined.supervisor.ipc import EngineChannels, RequestFailed, RequestStream, new_request_id
 from engined.supervisor.lifecycle.fleet import Fleet, UnknownEngine
-from engined.supervisor.lifecycle.reload import ReloadRejected
 from engined.supervisor.lifecycle.replica import Replica
 from engined.supervisor.lifecycle.state import EngineState
 from engined.supervisor.lifecycle.view import EngineView
 from engined.supervisor.observe.sampler import Sample, Sampler
 from engined.supervisor.routing import Lease, NoReplica, Router
+from engined.supervisor.spec.reload import ReloadRejected
 from engined.supervisor.upgrade.handover import HandoverRejected
 from engined.supervisor.webserver import LONG_LIVED, ApiKey, BodyTimeout, read_body
 

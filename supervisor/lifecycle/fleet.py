@@ -14,7 +14,6 @@ from engined.engine import protocol as proto
 from engined.supervisor.lifecycle.clock import Clock
 from engined.supervisor.lifecycle.groups import Gang, Group, ReplicaGroup
 from engined.supervisor.lifecycle.policy import Reason
-from engined.supervisor.lifecycle.reload import ReloadPlan
 from engined.supervisor.lifecycle.replica import AddressBook, Owner, Replica
 from engined.supervisor.lifecycle.rollout import Rollout
 from engined.supervisor.lifecycle.state import EngineState
@@ -22,6 +21,7 @@ from engined.supervisor.lifecycle.view import FleetView
 from engined.supervisor.lifecycle.worker import supervise
 from engined.supervisor.routing import Router
 from engined.supervisor.spec import EngineSpec, FleetSpec
+from engined.supervisor.spec.reload import ReloadPlan
 
 log = logging.getLogger("engined.fleet")
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engined.engine.contract import CONFIG_LINE_PREFIX, EXIT_CONFIG
-from engined.supervisor.host.exits import ExitRecord
+from engined.supervisor.host.exits import ExitRecord, ExitStatus
 from engined.supervisor.host.oom import OomWitness
 from engined.supervisor.lifecycle.clock import Clock
 from engined.supervisor.lifecycle.incarnation import Incarnation
-from engined.supervisor.lifecycle.policy import ExitStatus, Reason, exit_reason
+from engined.supervisor.lifecycle.policy import Reason, exit_reason
 from engined.supervisor.lifecycle.view import LastExit
 from engined.supervisor.logs import LogSink
 

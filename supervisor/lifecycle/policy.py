@@ -10,12 +10,10 @@ import dataclasses
 import enum
 import errno
 import math
-import os
-import signal
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from engined.engine.contract import EXIT_CONFIG
+from engined.supervisor.host.exits import ExitStatus
 from engined.supervisor.spec import BackoffSpec, StartLimitSpec
 
 
@@ -33,57 +31,6 @@ class Reason(enum.Enum):
     MANUAL = "manual"
     RELOAD = "reload"
     SPAWN_ERROR = "spawn_error"  # the child could not be started at all
-
-
-@dataclass(frozen=True)
-class ExitStatus:
-    """How a child ended: exactly one of `code` and `signal` is set, or neither when the status
-    is unknown (`UNKNOWN`: the child was reaped by someone else), which is never a clean exit."""
-
-    code: int | None = None
-    signal: int | None = None
-
-    UNKNOWN: ClassVar[ExitStatus]
-
-    @classmethod
-    def from_wait_status(cls, status: int) -> ExitStatus:
-        if os.WIFSIGNALED(status):
-            return cls(signal=os.WTERMSIG(status))
-        return cls(code=os.waitstatus_to_exitcode(status))
-
-    @property
-    def signal_name(self) -> str | None:
-        """The killing signal, or the one behind a 128+N exit after cleanup (143 -> SIGTERM)."""
-        num = self.signal
-        if num is None and self.code is not None and 128 < self.code < 128 + 65:
-            num = self.code - 128
-        if num is None:
-            return None
-        try:
-            return signal.Signals(num).name
-        except ValueError:
-            return f"SIG{num}"
-
-    @property
-    def clean(self) -> bool:
-        return self.code == 0
-
-    def describe(self, oom: bool = False) -> str:
-        """`oom`: the kernel says its OOM killer sent that SIGKILL (see supervisor/oom.py);
-        without that evidence a SIGKILL is just a SIGKILL (a person's `kill -9` is one too)."""
-        if self.signal is not None:
-            hint = " by the kernel's OOM killer (out of memory)" if oom else ""
-            return f"killed by {self.signal_name}{hint}"
-        if self.code == EXIT_CONFIG:
-            return "exit 78 (invalid engine config or model)"
-        if self.code is None:
-            return "exit status unknown (not engined's child: adopted, or reaped elsewhere)"
-        if self.signal_name is not None:
-            return f"exit {self.code} (terminated by {self.signal_name} after cleanup)"
-        return f"exit {self.code}"
-
-
-ExitStatus.UNKNOWN = ExitStatus()
 
 
 def exit_reason(status: ExitStatus, killed_for: Reason | None = None) -> Reason:

@@ -42,13 +42,14 @@ from engined.supervisor.spec.model import (
     StartLimitSpec,
     SupervisorSpec,
 )
-from engined.supervisor.spec.resolve import _resolve
+from engined.supervisor.spec.resolve import GpuLookup, _resolve, no_gpus
 from engined.supervisor.spec.source import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES, _compose, _decode
 
 
-def load_fleet(path: str | os.PathLike[str]) -> FleetSpec:
+def load_fleet(path: str | os.PathLike[str], gpus: GpuLookup | None = None) -> FleetSpec:
     """Read and resolve a fleet file; raises SpecError for anything wrong (an unreadable file
-    included)."""
+    included). `gpus`: the GPUs `gpus: auto` may take (the daemon passes its host's; without
+    it, none: the CPU)."""
     source = os.fsdecode(os.fspath(path))
     try:
         with open(path, "rb") as f:
@@ -58,7 +59,8 @@ def load_fleet(path: str | os.PathLike[str]) -> FleetSpec:
         raise SpecError(
             [SpecProblem(source, "", None, f"cannot read fleet spec: {reason}")]
         ) from None
-    fleet = parse_fleet(data, source, base_dir=os.path.dirname(os.path.abspath(source)))
+    fleet = parse_fleet(data, source, base_dir=os.path.dirname(os.path.abspath(source)),
+                        gpus=gpus)
     check_host(fleet)
     return fleet
 
@@ -149,7 +151,8 @@ def _check_command_host(source: str, index: int, engine: EngineSpec) -> list[Spe
 
 
 def parse_fleet(
-    text: str | bytes, source: str = "<string>", base_dir: str | None = None
+    text: str | bytes, source: str = "<string>", base_dir: str | None = None,
+    gpus: GpuLookup | None = None
 ) -> FleetSpec:
     """Validate and resolve fleet-spec text; raises SpecError listing every problem.
 
@@ -159,7 +162,7 @@ def parse_fleet(
     """
     decoded = _decode(text, source)
     root, lines = _compose(decoded, source)
-    fleet = _resolve(root, lines, source)
+    fleet = _resolve(root, lines, source, gpus)
     return fleet if base_dir is None else anchor_paths(fleet, base_dir)
 
 
@@ -207,6 +210,7 @@ __all__ = [
     "DEFAULT_HTTP",
     "ENGINE_ENV",
     "ENGINE_ENV_PREFIX",
+    "GpuLookup",
     "MAX_DEPTH",
     "MAX_DURATION_S",
     "MAX_GPU_INDEX",
@@ -229,6 +233,7 @@ __all__ = [
     "format_fleet",
     "host_warnings",
     "load_fleet",
+    "no_gpus",
     "parse_duration",
     "parse_fleet",
 ]

@@ -19,12 +19,12 @@ from typing import Any
 
 import yaml
 
-from engined.supervisor.lifecycle.reload import LIVE_SUPERVISOR_KEYS, ReloadPlan, plan_reload
 from engined.supervisor.spec import FleetSpec, SpecError, parse_fleet
 from engined.supervisor.spec.checks import _fmt_duration
 from engined.supervisor.spec.format import ENGINE_ROW_KINDS
 from engined.supervisor.spec.keys import KEYS, REQUIRED, Key, Scope, _fmt_bytes
 from engined.supervisor.spec.model import UpstreamsSpec
+from engined.supervisor.spec.reload import LIVE_SUPERVISOR_KEYS, ReloadPlan, plan_reload
 from engined.supervisor.spec.upstreams import _CHECKS as UPSTREAM_CHECKS
 from engined.supervisor.spec.upstreams import KEYS as UPSTREAM_KEYS
 

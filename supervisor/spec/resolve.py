@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +53,18 @@ _BUILTIN_SETTINGS: dict[str, _Located] = {
 }
 
 
-def _resolve(root: Any, lines: Mapping[str, int], source: str) -> FleetSpec:
+# The GPUs `gpus: auto` may take, and where they were read: (indices, source)
+GpuLookup = Callable[[], tuple[tuple[int, ...], str]]
+
+
+def no_gpus() -> tuple[tuple[int, ...], str]:
+    """The lookup of a spec resolved without a host (a text, a test): `gpus: auto` engines are
+    resolved as CPU engines, gpus_per_replica or not (the daemon and --check read the host)."""
+    return (), "no host given"
+
+
+def _resolve(root: Any, lines: Mapping[str, int], source: str,
+             gpus: GpuLookup | None = None) -> FleetSpec:
     problems = _Problems()
     if not isinstance(root, dict):
         problems.add(
@@ -71,7 +82,7 @@ def _resolve(root: Any, lines: Mapping[str, int], source: str) -> FleetSpec:
     if "upstreams" in top:  # a cluster gateway: node gateways instead of engines of its own
         return _cluster(problems, top, supervisor, source, lines)
     defaults = _defaults(problems, top.get("defaults"))
-    engines = _engines(problems, top, defaults)
+    engines = _engines(problems, top, defaults, gpus)
     _check_replica_ports(problems, supervisor, engines)
     problems.raise_if_any(source, lines)
     if supervisor.launcher is not _BAD:
@@ -218,14 +229,15 @@ class _Group:
 
 
 def _engines(
-    problems: _Problems, top: Mapping[str, Any], defaults: dict[str, _Located]
+    problems: _Problems, top: Mapping[str, Any], defaults: dict[str, _Located],
+    gpus: GpuLookup | None = None
 ) -> tuple[EngineSpec, ...]:
     raw = top.get("engines")
     if "engines" not in top or not isinstance(raw, list) or not raw:
         got = "it is missing" if "engines" not in top else f"got {_describe(raw)}"
         problems.add("engines", f"must be a non-empty list of engines; {got}")
         return ()
-    auto = _AutoGpus(raw)
+    auto = _AutoGpus(raw, gpus or no_gpus)
     groups = [_group(problems, item, i, defaults, auto) for i, item in enumerate(raw)]
     valid = [g for g in groups if g is not None]
     _check_names(problems, valid)
@@ -241,9 +253,12 @@ def _engines(
 class _AutoGpus:
     """`gpus: auto`: each such engine, in spec order, takes the GPUs visible to engined that no
     engine lists and no earlier `auto` engine took: gpus_per_replica of them per replica (and
-    standby), or, with gpus_per_replica 0, an equal share of them. None visible: the CPU."""
+    standby), or, with gpus_per_replica 0, an equal share of them. None visible: the CPU.
+    The visible GPUs come from `lookup`, which the caller brings (the daemon reads its host's
+    once, at start): resolving a spec never reads the host itself."""
 
-    def __init__(self, raw: list[Any]) -> None:
+    def __init__(self, raw: list[Any], lookup: GpuLookup) -> None:
+        self.lookup = lookup
         self.taken = {gpu for item in raw if isinstance(item, dict)
                       and isinstance(item.get("gpus"), list)
                       for gpu in item["gpus"] if isinstance(gpu, int)}
@@ -251,13 +266,14 @@ class _AutoGpus:
 
     def allot(self, problems: _Problems, s: dict[str, _Located], replicas: int,
               path: str) -> None:
-        from engined.supervisor.host.gpus import visible_gpus
-
         (gpus, gpus_at), (per, per_at) = s["gpus"], s["gpus_per_replica"]
         if gpus != AUTO_GPUS or _any_bad(per, s["standby"][0]):
             return
+        if self.lookup is no_gpus:  # no host to read: what runs here is decided where it runs
+            s["gpus"], s["gpus_per_replica"] = ((), gpus_at), (0, per_at)
+            return
         if self._visible is None:
-            self._visible = visible_gpus()
+            self._visible = self.lookup()
         visible, source = self._visible
         free = [g for g in visible if g not in self.taken]
         count = replicas + s["standby"][0]

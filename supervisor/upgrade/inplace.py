@@ -14,9 +14,9 @@ from typing import Any, Protocol
 from engined.supervisor import __version__
 from engined.supervisor.host.reaper import children_of
 from engined.supervisor.host.runtime import RuntimeLock
-from engined.supervisor.lifecycle.reload import plan_reload
 from engined.supervisor.services import Paths, Services, status_line
-from engined.supervisor.spec import FleetSpec, SpecError, load_fleet
+from engined.supervisor.spec import FleetSpec, GpuLookup, SpecError, load_fleet
+from engined.supervisor.spec.reload import plan_reload
 from engined.supervisor.upgrade import handover, recovery, snapshot
 from engined.supervisor.webserver import CappedRunner
 
@@ -37,6 +37,7 @@ class Host(Protocol):
     argv: list[str]
     resumed: snapshot.Snapshot | None
     reload_lock: asyncio.Lock
+    gpus: GpuLookup
 
 
 class InPlace:
@@ -109,7 +110,7 @@ class InPlace:
                 f"the installed engined does not accept the running spec (exit {code}); "
                 f"nothing changed:\n{output.strip()[-2000:]}")
         try:  # the new code reads the file: it must be the spec that runs
-            on_disk = load_fleet(self.d.paths.config)
+            on_disk = load_fleet(self.d.paths.config, gpus=self.d.gpus)
         except SpecError as exc:
             raise handover.HandoverRejected(f"invalid fleet spec, nothing changed:\n{exc}") \
                 from None

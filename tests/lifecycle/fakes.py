@@ -20,12 +20,11 @@ from typing import Any, Awaitable, Callable
 import yaml
 
 from engined.engine import protocol as proto
-from engined.supervisor.host.exits import ExitRecord
+from engined.supervisor.host.exits import ExitRecord, ExitStatus
 from engined.supervisor.host.launcher import Child
 from engined.supervisor.lifecycle.fleet import Fleet
 from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
 from engined.supervisor.lifecycle.notices import Notices
-from engined.supervisor.lifecycle.policy import ExitStatus
 from engined.supervisor.lifecycle.replica import AddressBook, Replica, ReplicaDeps
 from engined.supervisor.lifecycle.state import EngineState
 from engined.supervisor.routing import Router

@@ -11,8 +11,8 @@ import signal
 import pytest
 
 from engined.engine import protocol as proto
-from engined.supervisor.lifecycle.reload import plan_reload
 from engined.supervisor.lifecycle.state import EngineState as S
+from engined.supervisor.spec.reload import plan_reload
 from lifecycle.fakes import HEARTBEAT_TIMEOUT_S, Behaviour, World, make_spec, scenario
 
 NO_JITTER = {"backoff": {"initial": "1s", "max": "30s", "factor": 2, "jitter": 0,

@@ -8,8 +8,7 @@ import os
 import signal
 import sys
 
-from engined.supervisor.host.exits import watch_exit
-from engined.supervisor.lifecycle.policy import ExitStatus
+from engined.supervisor.host.exits import ExitStatus, watch_exit
 
 
 def _spawn(code: str) -> int:

@@ -1,4 +1,5 @@
-"""The spec keys for running in a pod. `gpus: auto` (spec.resolve, host.gpus.visible_gpus):
+"""The spec keys for running in a pod. `gpus: auto` (spec.resolve, with the host's GPUs from
+host.gpus.visible_gpus, as the daemon passes them: resolving a spec never reads the host itself):
 each `auto` engine, in spec order, takes the GPUs visible to engined that no engine lists and
 no earlier `auto` engine took; what cannot be met is a spec error naming the engine, the count
 and where the GPUs were read. `supervisor.replica_ports`: one port per serving replica on the
@@ -10,6 +11,7 @@ import textwrap
 
 import pytest
 
+from engined.supervisor.host.gpus import visible_gpus
 from engined.supervisor.spec import SpecError, parse_fleet
 
 FLEET = textwrap.dedent("""\
@@ -31,7 +33,7 @@ FLEET = textwrap.dedent("""\
 
 
 def _gpus(text: str) -> dict[str, tuple[int, ...]]:
-    return {e.name: e.gpus for e in parse_fleet(text, "fleet.yaml").engines}
+    return {e.name: e.gpus for e in parse_fleet(text, "fleet.yaml", gpus=visible_gpus).engines}
 
 
 def test_auto_engines_share_the_visible_gpus_around_the_listed_ones(monkeypatch):
@@ -43,7 +45,7 @@ def test_auto_engines_share_the_visible_gpus_around_the_listed_ones(monkeypatch)
 def test_cuda_visible_devices_stops_at_its_first_entry_that_is_not_an_index(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2,-1,3")  # CUDA's rule: 3 is not visible
     with pytest.raises(SpecError) as info:
-        parse_fleet(FLEET, "fleet.yaml")
+        parse_fleet(FLEET, "fleet.yaml", gpus=visible_gpus)
     message = str(info.value)
     assert "engines[1].gpus" in message and "found 0 free GPU(s) of 2 visible" in message
     assert "CUDA_VISIBLE_DEVICES" in message
@@ -52,7 +54,7 @@ def test_cuda_visible_devices_stops_at_its_first_entry_that_is_not_an_index(monk
 def test_too_few_visible_gpus_is_a_spec_error(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(SpecError) as info:
-        parse_fleet(FLEET, "fleet.yaml")
+        parse_fleet(FLEET, "fleet.yaml", gpus=visible_gpus)
     assert "engines[0].gpus: gpus: auto found 1 free GPU(s) of 2 visible (from " \
            "CUDA_VISIBLE_DEVICES), but 2 replica(s) x gpus_per_replica (1) need 2" in \
            str(info.value)
@@ -62,6 +64,18 @@ def test_auto_without_any_gpu_runs_on_the_cpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     fleet = FLEET.replace("    gpus_per_replica: 1\n  - name: b", "  - name: b")
     assert _gpus(fleet.split("  - name: c")[0]) == {"a-0": (), "a-1": (), "b-0": ()}
+
+
+def test_without_the_hosts_gpus_auto_is_the_cpu_and_the_host_is_not_read(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4")
+    assert set(_gpus_of(parse_fleet(FLEET, "fleet.yaml"), "a-0", "b-0")) == {()}
+    asked = []
+    parse_fleet(FLEET, "fleet.yaml", gpus=lambda: asked.append(1) or ((0, 1, 2, 3), "a test"))
+    assert asked == [1]  # read once, however many engines are auto
+
+
+def _gpus_of(fleet, *names):
+    return [e.gpus for e in fleet.engines if e.name in names]
 
 
 def test_gpus_must_be_a_list_or_auto():

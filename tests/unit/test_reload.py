@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from engined.supervisor.lifecycle.reload import plan_reload
 from engined.supervisor.observe.systemd import Notifier
 from engined.supervisor.spec import parse_fleet
+from engined.supervisor.spec.reload import plan_reload
 
 
 def fleet(engines: str, supervisor: str = "") -> object:
