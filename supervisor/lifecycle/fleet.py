@@ -15,11 +15,10 @@ from engined.supervisor.lifecycle.clock import Clock
 from engined.supervisor.lifecycle.groups import Gang, Group, ReplicaGroup
 from engined.supervisor.lifecycle.policy import Reason
 from engined.supervisor.lifecycle.replica import AddressBook, Owner, Replica
-from engined.supervisor.lifecycle.rollout import Rollout
+from engined.supervisor.lifecycle.rollout import Drains, Rollout
 from engined.supervisor.lifecycle.state import EngineState
 from engined.supervisor.lifecycle.view import FleetView
 from engined.supervisor.lifecycle.worker import supervise
-from engined.supervisor.routing import Router
 from engined.supervisor.spec import EngineSpec, FleetSpec
 from engined.supervisor.spec.reload import ReloadPlan
 
@@ -42,7 +41,7 @@ class UnknownEngine(KeyError):
 
 class Fleet:
     def __init__(self, spec: FleetSpec, make_replica: MakeReplica, clock: Clock,
-                 router: Router, addresses: AddressBook,
+                 router: Drains, addresses: AddressBook,
                  rng: random.Random | None = None) -> None:
         self.spec = spec
         self.router = router  # a rollout drains through it

@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from engined.supervisor.lifecycle.policy import Reason
 from engined.supervisor.lifecycle.replica import Replica
 from engined.supervisor.lifecycle.state import EngineState
 from engined.supervisor.lifecycle.view import EngineView
-from engined.supervisor.routing import Router
 
 log = logging.getLogger("engined.rollout")
 
@@ -31,11 +31,22 @@ class RolloutFailed(Exception):
     pass
 
 
+class Drains(Protocol):
+    """Takes a replica out of routing and says when its requests are done (supervisor.routing's
+    Router: the lifecycle sits below routing and knows it only by this)."""
+
+    def drain(self, replica: Replica) -> None: ...
+
+    def undrain(self, replica: Replica) -> None: ...
+
+    async def drained(self, replica: Replica, timeout_s: float) -> int: ...
+
+
 class Rollout:
     """One rolling restart of `members` of `group`. `add_surge(k)` starts the k-th extra replica
     of the group; `retire(replica)` stops and removes it."""
 
-    def __init__(self, router: Router, group: str, members: list[Replica], reason: Reason,
+    def __init__(self, router: Drains, group: str, members: list[Replica], reason: Reason,
                  add_surge: Callable[[int], Replica],
                  retire: Callable[[Replica], None]) -> None:
         self.router, self.group, self.members, self.reason = router, group, members, reason
