@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from engined.engine import contract
-from engined.supervisor.ctl import cli
+from engined.supervisor.ctl import cli, commands, nodes
 from engined.supervisor.ctl import format as ctlformat
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,8 @@ RELOAD = {"added": ["big"], "removed": [], "changed": ["tiny"], "unchanged": ["e
 @pytest.fixture(autouse=True)
 def _pinned_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ages in the table are computed against NOW, however long the suite has run."""
-    monkeypatch.setattr(cli, "wall_now", lambda: NOW)
+    for module in (commands, nodes):
+        monkeypatch.setattr(module, "wall_now", lambda: NOW)
 
 
 class FakeDaemon:
@@ -202,7 +203,7 @@ def test_status_table_lists_engines_and_exits_3_when_a_running_engine_is_not_rea
     assert cli.main(["status"]) == 3
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].split() == cli.STATUS_HEADER
+    assert lines[0].split() == commands.STATUS_HEADER
     assert lines[1].split()[:5] == ["tiny-0", "READY", "1234", "0", "3m12s"]
     assert "0.4s" in lines[1]
     assert "signal SIGKILL (signal) 2m ago" in lines[2]
@@ -310,7 +311,7 @@ def test_reload_error_exits_1(daemon: FakeDaemon, sock: str, capsys: Cap) -> Non
 
 
 def test_format_reload_without_changes() -> None:
-    assert cli.format_reload({"added": [], "removed": [], "changed": [],
+    assert commands.format_reload({"added": [], "removed": [], "changed": [],
                               "unchanged": ["a", "b"], "restart_required": []}) == [
         "no changes", "unchanged: a, b"]
 
