@@ -32,9 +32,7 @@ from engined.supervisor.spec.checks import (
     MAX_GPU_INDEX,
     RESTART_POLICIES,
     _bool,
-    _canary,
     _Check,
-    _command,
     _duration,
     _engine_args,
     _engine_name,
@@ -48,14 +46,18 @@ from engined.supervisor.spec.checks import (
     _int_in,
     _jitter,
     _model,
-    _openai,
     _optional_port,
     _optional_size,
     _optional_text,
+    _size,
+)
+from engined.supervisor.spec.command_checks import (
+    _canary,
+    _command,
+    _openai,
     _port,
     _probe,
     _progress,
-    _size,
 )
 from engined.supervisor.spec.model import (
     EngineSpec,
