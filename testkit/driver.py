@@ -92,6 +92,7 @@ class Daemon:
         self.expect_unclean_exit = False  # set by tests that kill the daemon on purpose
         self.env_changes: dict[str, str | None] = dict(env or {})
         self.wrapper: list[str] = []  # a command engined runs under (unshare for PID 1)
+        self.python = PYTHON  # the interpreter engined runs in (another install's, to upgrade it)
         self.spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
 
     # --- process ---------------------------------------------------------------------------
@@ -112,7 +113,7 @@ class Daemon:
         self.returncode = None
         with open(self.stderr_path, "ab") as err:
             self.proc = subprocess.Popen(
-                [*self.wrapper, PYTHON, "-m", "engined.supervisor.daemon", "-c",
+                [*self.wrapper, self.python, "-m", "engined.supervisor.daemon", "-c",
                  str(self.spec_path)],
                 cwd=REPO_ROOT, env=self.environment(), stdin=subprocess.DEVNULL,
                 stdout=err, stderr=err, pass_fds=pass_fds)
