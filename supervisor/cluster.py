@@ -35,8 +35,7 @@ import aiohttp
 
 from engined.supervisor.lifecycle.notices import Lost
 from engined.supervisor.routing import Lease, NoReplica, Router
-from engined.supervisor.spec import EngineSpec
-from engined.supervisor.spec.model import ModelSpec, UpstreamsSpec
+from engined.supervisor.spec.model import EngineSpec, ModelSpec, UpstreamsSpec
 
 log = logging.getLogger("engined.cluster")
 

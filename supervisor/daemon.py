@@ -44,15 +44,8 @@ from engined.supervisor.host.runtime import (
 from engined.supervisor.lifecycle.notices import StateChange
 from engined.supervisor.lifecycle.state import EngineState
 from engined.supervisor.services import Paths, Services, status_line
-from engined.supervisor.spec import (
-    FleetSpec,
-    GpuLookup,
-    SpecError,
-    format_fleet,
-    host_warnings,
-    load_fleet,
-    no_gpus,
-)
+from engined.supervisor.spec import GpuLookup, format_fleet, host_warnings, load_fleet, no_gpus
+from engined.supervisor.spec.model import FleetSpec, SpecError
 from engined.supervisor.spec.reload import LIVE_SUPERVISOR_KEYS, ReloadRejected, plan_reload
 from engined.supervisor.upgrade import handover, recovery, snapshot
 from engined.supervisor.upgrade.inplace import InPlace

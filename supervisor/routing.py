@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from engined.supervisor.lifecycle.incarnation import Incarnation
 from engined.supervisor.lifecycle.notices import StateChange
 from engined.supervisor.lifecycle.replica import Replica
-from engined.supervisor.spec import EngineSpec
+from engined.supervisor.spec.model import EngineSpec
 
 RECHECK_S = 0.1  # a waiting request looks again this often (heartbeats refresh without events)
 # supervisor.replica_ports: the replica a request came in for (its own port), while it is handled

@@ -51,8 +51,7 @@ from engined.supervisor.observe.monitoring import MonitoringEndpoint
 from engined.supervisor.observe.sampler import Sampler
 from engined.supervisor.observe.systemd import Notifier
 from engined.supervisor.routing import Router
-from engined.supervisor.spec import FleetSpec
-from engined.supervisor.spec.model import ClientLimits, SupervisorSpec, UpstreamsSpec
+from engined.supervisor.spec.model import ClientLimits, FleetSpec, SupervisorSpec, UpstreamsSpec
 from engined.supervisor.webserver import ApiKey, CappedRunner, listening, make_runner
 
 log = logging.getLogger("engined")

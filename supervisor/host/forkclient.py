@@ -36,7 +36,7 @@ from engined.engine.forkserver import CHANNEL_FD, MAX_MESSAGE, PRELOADS
 from engined.engine.protocol import EngineConfig
 from engined.supervisor.host.exits import ChildWatcher, ExitRecord
 from engined.supervisor.host.launcher import Child, ExecLauncher, child_environment
-from engined.supervisor.spec import EngineSpec
+from engined.supervisor.spec.model import EngineSpec
 
 log = logging.getLogger("engined.forkserver")
 

@@ -32,7 +32,7 @@ from engined.engine.protocol import EngineConfig, encode_config
 from engined.supervisor.host import scratch
 from engined.supervisor.host.exits import ChildWatcher, ExitRecord
 from engined.supervisor.host.fdreserve import FdReserve
-from engined.supervisor.spec import EngineSpec
+from engined.supervisor.spec.model import EngineSpec
 
 # Never let a child see the daemon's systemd plumbing: a child writing to NOTIFY_SOCKET would
 # confuse systemd, and WATCHDOG_* would make it think it is the watched process.

@@ -19,7 +19,7 @@ from engined.supervisor.lifecycle.rollout import Drains, Rollout
 from engined.supervisor.lifecycle.state import EngineState
 from engined.supervisor.lifecycle.view import FleetView
 from engined.supervisor.lifecycle.worker import supervise
-from engined.supervisor.spec import EngineSpec, FleetSpec
+from engined.supervisor.spec.model import EngineSpec, FleetSpec
 from engined.supervisor.spec.reload import ReloadPlan
 
 log = logging.getLogger("engined.fleet")

@@ -22,7 +22,7 @@ from engined.supervisor.lifecycle.liveness import Liveness as LivenessStrategy
 from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
 from engined.supervisor.lifecycle.policy import Liveness, reached
 from engined.supervisor.logs import PipeReader
-from engined.supervisor.spec import EngineSpec
+from engined.supervisor.spec.model import EngineSpec
 
 KILL_WAIT_S = 5.0  # after SIGKILL a process is normally reaped in milliseconds
 

@@ -27,7 +27,7 @@ from engined.supervisor.lifecycle.clock import Clock
 from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
 from engined.supervisor.lifecycle.policy import Reason
 from engined.supervisor.lifecycle.probe import ProbeClient, Prober
-from engined.supervisor.spec import EngineSpec
+from engined.supervisor.spec.model import EngineSpec
 
 Deliver = Callable[[proto.ChildMessage], object]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from engined.engine.contract import EXIT_CONFIG
 from engined.supervisor.host.exits import ExitStatus
-from engined.supervisor.spec import BackoffSpec, StartLimitSpec
+from engined.supervisor.spec.model import BackoffSpec, StartLimitSpec
 
 
 class Reason(enum.Enum):

@@ -41,7 +41,7 @@ from engined.engine import protocol as proto
 from engined.supervisor.lifecycle.clock import Clock
 from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
 from engined.supervisor.lifecycle.policy import Reason
-from engined.supervisor.spec import EngineSpec
+from engined.supervisor.spec.model import EngineSpec
 
 log = logging.getLogger("engined.probe")
 

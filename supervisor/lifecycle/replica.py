@@ -42,7 +42,7 @@ from engined.supervisor.lifecycle.probe import ProbeClient
 from engined.supervisor.lifecycle.state import EngineState, check_transition
 from engined.supervisor.lifecycle.view import EngineView
 from engined.supervisor.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, LogSink, StdoutLines
-from engined.supervisor.spec import EngineSpec
+from engined.supervisor.spec.model import EngineSpec
 
 log = logging.getLogger("engined.engine")
 

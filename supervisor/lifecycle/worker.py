@@ -217,12 +217,14 @@ class ReplicaWorker:
 
     async def _clear_leftovers(self, inc: Incarnation) -> None:
         """Everything the exited incarnation started is gone before its replacement spawns
-        (descendants that left its process group included), and so is their GPU memory."""
+        (descendants that left its process group included), and so is their GPU memory. Its
+        TMPDIR goes right after that spawn: nothing needs it gone sooner."""
         assert inc.child is not None
         replica, dead = self.replica, {inc.child.pid}
         if self.deps.reaper is not None:
             dead |= set(await self.deps.reaper.clear(replica.name, inc.address[1], inc.token,
                                                      inc.child.descendant))
+            self.deps.reaper.tidy(replica.name, inc.address[1], inc.token)
         if self.deps.nvml is not None:
             await wait_gpu_released(self.deps.nvml, replica.name, dead, replica.spec.gpus)
 

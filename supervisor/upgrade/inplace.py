@@ -15,7 +15,8 @@ from engined.supervisor import __version__
 from engined.supervisor.host.reaper import children_of
 from engined.supervisor.host.runtime import RuntimeLock
 from engined.supervisor.services import Paths, Services, status_line
-from engined.supervisor.spec import FleetSpec, GpuLookup, SpecError, load_fleet
+from engined.supervisor.spec import GpuLookup, load_fleet
+from engined.supervisor.spec.model import FleetSpec, SpecError
 from engined.supervisor.spec.reload import plan_reload
 from engined.supervisor.upgrade import handover, recovery, snapshot
 from engined.supervisor.webserver import CappedRunner
