@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from engined.supervisor.lifecycle.clock import Clock
-from engined.supervisor.lifecycle.policy import NO_PAUSES, Pauses
+from engined.supervisor.lifecycle.pauses import NO_PAUSES, Pauses
 
 log = logging.getLogger("engined.loop")
 
