@@ -79,7 +79,7 @@ def _pod(objects: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]
     return template, containers[0]
 
 
-def _fleet(objects: list[dict[str, Any]], gpus: int, monkeypatch) -> Any:
+def _fleet(objects: list[dict[str, Any]], gpus: int) -> Any:
     """The fleet spec the pod mounts, resolved as engined would in that container (its GPUs
     are what the device plugin made visible)."""
     template, container = _pod(objects)
@@ -90,16 +90,17 @@ def _fleet(objects: list[dict[str, Any]], gpus: int, monkeypatch) -> Any:
                  if args[1].startswith(m["mountPath"] + "/"))
     volume = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])
     assert volume["configMap"]["name"] == config["metadata"]["name"]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus))))
-    return parse_fleet(config["data"][Path(args[1]).name], args[1])
+    visible = tuple(range(gpus))
+    return parse_fleet(config["data"][Path(args[1]).name], args[1],
+                       gpus=lambda: (visible, "the device plugin"))
 
 
-def test_the_pod_keeps_kubernetes_conventions_and_its_fleet_spec(monkeypatch):
+def test_the_pod_keeps_kubernetes_conventions_and_its_fleet_spec():
     objects = _render("base")
     template, container = _pod(objects)
     pod = template["spec"]
     gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
-    fleet = _fleet(objects, gpus, monkeypatch)
+    fleet = _fleet(objects, gpus)
     sup = fleet.supervisor
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert sup.http is not None and sup.gateway is not None
@@ -132,13 +133,13 @@ def test_the_pod_keeps_kubernetes_conventions_and_its_fleet_spec(monkeypatch):
         assert selector and selector.items() <= labels.items(), (kind, selector)
 
 
-def test_the_inference_pool_routes_to_each_pods_gateway(monkeypatch):
+def test_the_inference_pool_routes_to_each_pods_gateway():
     objects = _render("overlays/inference-pool")
     template, container = _pod(objects)
     pool = _one(objects, "InferencePool")["spec"]
     numbers = [p["number"] for p in pool["targetPorts"]]
     assert len(numbers) == len(set(numbers)) and 1 <= len(numbers) <= 8, numbers
-    fleet = _fleet(objects, int(container["resources"]["limits"]["nvidia.com/gpu"]), monkeypatch)
+    fleet = _fleet(objects, int(container["resources"]["limits"]["nvidia.com/gpu"]))
     gateway, base = fleet.supervisor.gateway, fleet.supervisor.replica_ports
     assert gateway is not None
     # the pod's gateway (routed per pod), or each replica's own port (routed per engine)
