@@ -6,7 +6,11 @@ pid=1234`; /dev/kmsg, where readable) or, without a readable kernel log, when th
 of engined's memory cgroup moved since it last looked (cgroup v2 `memory.events`, v1
 `memory.oom_control`: `oom_kill N`) or, without that either, when the host's OOM-kill counter
 (/proc/vmstat `oom_kill`) moved. Reads are small and bounded: they run once per unexpected
-SIGKILL, on the event loop.
+SIGKILL, on the event loop, between the exit and the respawn. The kernel log (a few hundred
+microseconds to read, more with a full ring) is read only when the host's counter moved since it
+was last read, or when that read did not name every kill the counter had counted: the counter
+moves before the kill's log line is written and before the process dies, so while it stands
+still, the last read's answer stands.
 """
 
 from __future__ import annotations
@@ -90,6 +94,9 @@ class OomWitness:
         self.vmstat = vmstat
         self._count = self._read_count(self.counter)
         self._host = self._read_count(self.vmstat)
+        records = read_kmsg(self.kmsg) if self._host is not None else None
+        self._seen = oom_pids_in(records) if records is not None else set()  # in the last read
+        self._settled = records is not None  # it named every kill the host's counter counted
 
     @staticmethod
     def _read_count(path: Path | None) -> int | None:
@@ -104,9 +111,16 @@ class OomWitness:
     def killed(self, pid: int) -> bool:
         before, self._count = self._count, self._read_count(self.counter)
         host_before, self._host = self._host, self._read_count(self.vmstat)
+        if self._settled and self._host is not None and self._host == host_before:
+            return pid in self._seen  # no OOM kill on the host since the log was last read
         records = read_kmsg(self.kmsg)
         if records is not None:
-            return pid in oom_pids_in(records)
+            found = oom_pids_in(records)
+            self._settled = (self._host is not None and host_before is not None
+                             and len(found - self._seen) >= self._host - host_before)
+            self._seen = found
+            return pid in found
+        self._settled = False
         if before is not None and self._count is not None:
             return self._count > before
         return host_before is not None and self._host is not None and self._host > host_before

@@ -10,9 +10,10 @@ parent keep the GPUs). engined therefore
 * finds what an incarnation left behind by the mark every process it started inherits
   (ENGINED_OWNER=<daemon pid>/<engine>/<incarnation>, in /proc/PID/environ) and kills it before
   the replacement spawns, and removes its TMPDIR (`scratch`: the files it left there). As a
-  subreaper, whatever an engine left is engined's descendant: only those are read (from
-  /proc/PID/task/*/children down), so the cost follows engined's own process count, never the
-  host's (without the subreaper, every process on the host is read);
+  subreaper, whatever an engine left is engined's descendant, and an orphan is re-parented to
+  engined itself: only engined's unsupervised children and their descendants are read (from
+  /proc/PID/task/*/children down), so the cost follows what was left, never the number of
+  engines nor the host's processes (without the subreaper, every process on the host is read);
 * runs a guard (`engined.supervisor.host.guard`) that outlives a SIGKILLed daemon: it keeps the
   engines for the next engined (supervisor.orphan_timeout), then kills their process groups and
   whatever carries the daemon's mark.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import glob
 import logging
 import os
 import signal
@@ -57,9 +57,13 @@ def become_subreaper() -> bool:
 def children_of(pid: int) -> set[int]:
     """Direct children (alive or zombie) of `pid`, from /proc/PID/task/*/children."""
     kids: set[int] = set()
-    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for task in tasks:
         try:
-            with open(path) as f:
+            with open(f"/proc/{pid}/task/{task}/children", "rb") as f:
                 kids.update(int(p) for p in f.read().split())
         except OSError:
             continue
@@ -97,6 +101,7 @@ class Reaper:
         self.held = held  # a fork-server spawn in progress: its engine is not watched yet
         self.subreaper = subreaper  # leftovers are our descendants: only those are read
         self.killed_total = 0
+        self._tidying: set[asyncio.Task[None]] = set()  # TMPDIR removals under way
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.add_signal_handler(signal.SIGCHLD, self.reap_orphans)
@@ -116,8 +121,15 @@ class Reaper:
                     descendant: bool = True) -> list[int]:
         """Kill every process still marked as this incarnation's, and wait (bounded) until they
         are gone; returns the pids killed. `descendant`: the incarnation was our descendant (not
-        an engine a crashed daemon left), so what it left is too."""
-        pids = await asyncio.to_thread(self._marked, token, descendant)
+        an engine a crashed daemon left), so what it left is too.
+
+        This runs between an engine's exit and its replacement's spawn: in the usual case (it
+        left nothing) it reads a few /proc files on the loop and never waits for a thread. Its
+        TMPDIR is `tidy`'s."""
+        if descendant and self.subreaper():
+            pids = marked_processes(token, self.orphans())
+        else:  # anywhere on the host: every process is read, off the loop
+            pids = await asyncio.to_thread(marked_processes, token)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -132,12 +144,30 @@ class Reaper:
                 self.reap_orphans()
                 await asyncio.sleep(0.01)
             self.reap_orphans()
-        await self._remove_scratch(engine, incarnation, token)  # its processes are gone
         return pids
 
-    def _marked(self, token: str, descendant: bool) -> list[int]:
-        among = descendants(os.getpid()) if descendant and self.subreaper() else None
-        return marked_processes(token, among)
+    def tidy(self, engine: str, incarnation: int, token: str) -> None:
+        """Remove the TMPDIR of a cleared incarnation (its processes are gone), in the
+        background: started now, it runs once the caller next waits, i.e. after the
+        replacement's spawn. Its rmdir alone can take milliseconds (a filesystem mounted with
+        `discard` trims the freed blocks at once), and the replacement has a directory of its
+        own."""
+        task = asyncio.get_running_loop().create_task(
+            self._remove_scratch(engine, incarnation, token), name=f"tidy:{engine}")
+        self._tidying.add(task)
+        task.add_done_callback(self._tidying.discard)
+
+    def orphans(self) -> set[int]:
+        """What an exited engine of ours can have left, as a subreaper: our children that we do
+        not supervise (its orphans, re-parented to us as it died: the kernel does so before its
+        pidfd reports the exit) and their descendants. The supervised children's trees are
+        not read: nothing in them descends from another engine, and reading them made each
+        clear cost as much as every engine's processes."""
+        roots = children_of(os.getpid()) - self.supervised()
+        found = set(roots)
+        for pid in roots:
+            found |= descendants(pid)
+        return found
 
     async def _remove_scratch(self, engine: str, incarnation: int, token: str) -> None:
         left = await asyncio.to_thread(scratch.remove, token)

@@ -8,8 +8,9 @@ PrivateTmp= for one incarnation, every engine process gets TMPDIR set to a direc
 
     <daemon's temp dir>/engined-scratch-<daemon pid>/<replica>.<incarnation>/
 
-created at spawn, removed when the reaper has cleared the incarnation (its processes are gone),
-the whole root removed at shutdown and by the guard after a SIGKILLed daemon; roots of daemons
+created at spawn, removed when the reaper has cleared the incarnation (its processes are gone;
+in the background, just after the replacement's spawn: an rmdir can take milliseconds), the
+whole root removed at shutdown and by the guard after a SIGKILLed daemon; roots of daemons
 that died without either are swept at start. Caches that live under the temporary directory by
 default (torch inductor's) are pointed at the place they would have had, so restarts keep them.
 A spec whose `env` sets TMPDIR keeps its own and gets none of this.

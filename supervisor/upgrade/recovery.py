@@ -220,9 +220,12 @@ def _not_the_same(process: snapshot.Process, use_mark: bool = True) -> str | Non
 
 class Keeper:
     """Keeps `<runtime_dir>/state.json` current: rewritten, off the event loop and atomically
-    (supervisor.snapshot), whenever `changed` is set (a state change, an event, a child spawned
-    or gone, a request counted), at most every MIN_GAP_S. The file's ages are relative to its
-    `written_at`, so an idle daemon has nothing to rewrite and never wakes for it."""
+    (supervisor.snapshot), MIN_GAP_S after `changed` is set (a state change, an event, a child
+    spawned or gone, a request counted), so at most that often. Changes come in bursts (an
+    exit, its state changes, the respawn, its HELLO): written once the burst is over, and never
+    between an engine's exit and its respawn, where the capture and the writing thread (it
+    takes the GIL) made the respawn wait. The file's ages are relative to its `written_at`, so
+    an idle daemon has nothing to rewrite and never wakes for it."""
 
     def __init__(self, path: Path, capture: Callable[[], snapshot.Snapshot],
                  changed: asyncio.Event) -> None:
@@ -246,9 +249,9 @@ class Keeper:
     async def run(self) -> None:
         while not self.closed:
             await self.changed.wait()
+            await asyncio.sleep(MIN_GAP_S)
             self.changed.clear()
             await self.write_now()
-            await asyncio.sleep(MIN_GAP_S)
 
     async def write_now(self) -> None:
         if self.closed:
