@@ -52,6 +52,7 @@ class Admission:
     sampling: Sampling
     resumed: int = 0  # how many of prompt_ids are resumed output (the last ones)
     chat: Any = None  # a chat read by the engine's own frontend (engine.vllm_chat.Chat)
+    prompt_text: str = ""  # the request's prompt as text, where it came as text
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,10 @@ class Load:
 
 
 class Backend(Protocol):
+    """What the core asks of a backend. Backends subclass it, so that what is optional (a KV
+    cache to describe, memory sizing, a chat frontend) comes with its default here and the core
+    never has to ask whether a backend has it."""
+
     device: str
     dtype: str
     # Work arriving on an idle engine waits a moment for the rest of its burst (the core's
@@ -153,6 +158,21 @@ class Backend(Protocol):
 
     def close(self) -> dict[str, float]:
         """Free the model; returns what was freed (for the cleanup report)."""
+
+    # --- optional capabilities, with what a backend without them says -------------------------
+    @property
+    def cache_info(self) -> dict[str, float]:
+        """Its KV cache, where it has one (vLLM: block_size, num_gpu_blocks), for READY."""
+        return {}
+
+    @property
+    def sizing(self) -> dict[str, float]:
+        """What it sized itself under memory_limit (vLLM: its KV cache), for READY's memory."""
+        return {}
+
+    def open_chat(self, body: dict[str, Any]) -> Any:
+        """A chat read by the engine's own frontend (engine.vllm_chat.Chat): vLLM's only."""
+        raise RequestRejected("this engine reads chats itself only with backend: vllm")
 
 
 def first_position(token: int, text: str) -> Position:

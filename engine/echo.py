@@ -14,8 +14,8 @@ for tests and chaos runs come from the child's environment (set through the spec
   (`setsid`: one that leaves the engine's process group), as engines with workers do
 * ENGINED_ECHO_TEMPFILE=1      — leave a file in the temporary directory at build, never removed
   (as vLLM's FileStore stays there after a kill)
-* prompts `!stall`, `!raise`, `!grow` and `!wedge` inject faults (see engine.core); for other
-  models set ENGINED_FAULT_INJECTION=1 to enable them.
+* prompts `!stall`, `!raise`, `!grow` and `!wedge` inject faults (engine.faults wraps every
+  echo engine's backend); for other models set ENGINED_FAULT_INJECTION=1 to enable them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 from engined.engine.backend import (
     Admission,
+    Backend,
     Delta,
     Emit,
     EngineConfigError,
@@ -63,7 +64,7 @@ def echo_position(token: int, top: int) -> Position:
         for rank, other in enumerate(range(token + 1, min(token + top, 0x110000)), start=2)]
 
 
-class EchoBackend:
+class EchoBackend(Backend):
     device = "cpu"
     dtype = "none"
 

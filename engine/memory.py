@@ -13,18 +13,20 @@ instead of killing the engine, and `memory_limit` bounds what the engine may hol
   the kernel's OOM killer. glibc's mmap threshold is fixed then, so that a large block freed
   gives its address space back (a dynamic threshold moves large blocks into the heap, whose
   freed middle stays mapped: a limit on address space would then count memory nobody holds).
-  For the same reason the engine's own threads start before it (engine.core: the heartbeat
-  thread): a thread started after it took its stack (8 MiB) and, where the headroom had room,
-  its malloc arena (64 MiB reserved) from the headroom, nearly none of either ever resident.
+  For the same reason the engine's own threads start before it (engine.heartbeat): a thread
+  started after it took its stack (8 MiB) and, where the headroom had room, its malloc arena
+  (64 MiB reserved) from the headroom, nearly none of either ever resident.
   On a GPU it is torch's per-process memory fraction of the device.
 * A request that runs out of memory alone is tried once more alone, once what the failed step
   held is released (what a larger failed step left behind can be what it met); a second
   failure alone is its own: it fails with `too_large`'s error and the engine serves on.
+* `Trimmer`: freed heap memory goes back to the kernel when a burst ends and while idle.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import resource
 import time
 from typing import Any
@@ -44,6 +46,7 @@ ALONE_TRIES = 2
 # ENGINE_MEMORY_RESERVE (bytes) says otherwise.
 RESERVE_MIN = 64 * MiB
 RESERVE_FRACTION = 0.1
+TRIM_IDLE_S = 60.0  # an idle engine trims its heap this often (Trimmer)
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -170,3 +173,19 @@ def trim() -> bool:
         return bool(ctypes.CDLL(None).malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+class Trimmer:
+    """Gives freed heap memory back to the kernel (`trim`: glibc's malloc_trim) when a burst
+    ends and every TRIM_IDLE_S while idle: a long-running engine's RSS otherwise keeps the
+    high-water mark of its largest burst. ENGINE_MALLOC_TRIM=0 turns it off (the benchmark's
+    comparison)."""
+
+    def __init__(self) -> None:
+        self.enabled = os.environ.get("ENGINE_MALLOC_TRIM", "1") != "0"
+        self.last = time.monotonic()
+
+    def after(self, burst_ended: bool, idle: bool, now: float) -> None:
+        if self.enabled and (burst_ended or idle and now - self.last >= TRIM_IDLE_S):
+            trim()
+            self.last = now

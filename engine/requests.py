@@ -106,19 +106,15 @@ class RequestTable:
                     msg.prompt and msg.prompt_ids is None and msg.messages is None)
                     else self.backend.detokenize(prompt_ids))
             self.backend.add(Admission(msg.id, prompt_ids + list(msg.resume), remaining,
-                                       sampling, resumed=len(msg.resume), chat=chat))
+                                       sampling, resumed=len(msg.resume), chat=chat,
+                                       prompt_text=msg.prompt))
         except RequestRejected as exc:
             self._reply(msg, error=str(exc), rejected=True)
             return
         self.active[msg.id] = entry
 
     def _chat(self, msg: proto.GenerateRequest) -> Any:
-        if msg.chat is None:
-            return None
-        open_chat = getattr(self.backend, "open_chat", None)
-        if open_chat is None:
-            raise RequestRejected("this engine reads chats itself only with backend: vllm")
-        return open_chat(msg.chat)
+        return None if msg.chat is None else self.backend.open_chat(msg.chat)
 
     def _tokens(self, msg: proto.GenerateRequest) -> None:
         """A tokenize or detokenize task, answered at once (nothing is generated)."""

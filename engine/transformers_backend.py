@@ -8,7 +8,9 @@ child runs with HF_HUB_OFFLINE=1 and every load is `from_pretrained(<local direc
 One HF `generate` call applies one set of sampling parameters to a whole batch, so a batch is
 formed of waiting requests with the same parameters; a request that arrives while a batch runs
 waits for the next one (vLLM's backend has continuous batching). A per-token hook streams each
-row's new tokens, stamps the busy loop's progress and ends rows that are done or aborted.
+row's new tokens, stamps the busy loop's progress and ends rows that are done or aborted. What
+`generate` has no parameter for (vLLM's logprobs, per-row sampling fields) is computed from the
+logits in engine.transformers_logits.
 """
 
 from __future__ import annotations
@@ -26,21 +28,21 @@ import msgspec
 
 from engined.engine.backend import (
     Admission,
+    Backend,
     Delta,
     Emit,
     EngineConfigError,
     Finished,
     Load,
     ProgressFn,
-    PromptLogprobs,
     RequestRejected,
     fallback_chat_prompt,
-    first_position,
     refuse_structured,
     torch_gpu_memory,
 )
 from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
 from engined.engine.memory import ALONE_TRIES, BatchLimit, is_oom, too_large
+from engined.engine.transformers_logits import RawLogits, RowLogits, position, prompt_logprobs
 
 if TYPE_CHECKING:
     from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Position, Sampling
@@ -135,7 +137,7 @@ def _sampling_key(sampling: Sampling) -> Sampling:
     return msgspec.structs.replace(sampling, max_tokens=0, stop=[])
 
 
-class HFBackend:
+class HFBackend(Backend):
     burst_window = True  # one `generate` per batch (it cannot grow): a burst shares one
 
     def __init__(self, model: Any, tokenizer: Any, device: str, dtype: Any, gpus: list[int],
@@ -307,51 +309,19 @@ class HFBackend:
         if sampling.repetition_penalty != 1.0:
             kwargs["repetition_penalty"] = sampling.repetition_penalty
         hook = _StreamHook(self, rows, width, emit, on_token)
-        with torch.inference_mode(), _RawLogits(self.model, sampling.logprobs) as raw:
+        adjust = RowLogits(torch, self.tokenizer.eos_token_id, batch, width)
+        with torch.inference_mode(), RawLogits(self.model, sampling.logprobs) as raw:
             for row in rows:
                 if not row.continued:  # a continued row had its prompt's logprobs already
-                    self._prompt_logprobs(row.request, emit)
+                    prompt = prompt_logprobs(self.model, self.tokenizer, torch, self.device,
+                                             row.request)
+                    if prompt is not None:
+                        emit(prompt)
             hook.raw = raw
             self.model.generate(input_ids=input_ids, attention_mask=mask,
                                 max_new_tokens=max(r.max_tokens for r in batch),
                                 pad_token_id=pad, stopping_criteria=hook.criteria(),
-                                logits_processor=_RowLogits(self, rows, width).processors(),
-                                **kwargs)
-
-    def _prompt_logprobs(self, request: Admission, emit: Emit) -> None:
-        """One forward over the prompt alone: each token's logprob given the ones before it."""
-        top = request.sampling.prompt_logprobs
-        if top is None:
-            return
-        torch, ids = self.torch, request.prompt_ids
-        logits = self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        emit(PromptLogprobs(request.id, [first_position(ids[0], self.token_text(ids[0]))] + [
-            self.position(logprobs[i - 1], ids[i], top) for i in range(1, len(ids))]))
-
-    def position(self, logprobs: Any, token: int, top: int) -> Position:
-        """`token`'s logprob and rank in one position's distribution, then the `top` likeliest
-        (vLLM's order: the token first, each token once)."""
-        from engined.engine.protocol import TokenLogprob
-
-        chosen = float(logprobs[token])
-        rank = int((logprobs > chosen).sum()) + 1
-        best = self.torch.topk(logprobs, top) if top else None
-        pairs = [(token, chosen, rank)]
-        if best is not None:
-            pairs += [(int(t), float(v), r) for r, (v, t) in
-                      enumerate(zip(best.values.tolist(), best.indices.tolist()), start=1)
-                      if int(t) != token]
-        return [TokenLogprob(t, v, r, self.token_text(t)) for t, v, r in pairs]
-
-    def token_text(self, token: int) -> str:
-        """A token alone as text, its leading space kept (SentencePiece's marker), as vLLM
-        shows tokens in logprobs."""
-        text = str(self.tokenizer.decode([token]))
-        raw = self.tokenizer.convert_ids_to_tokens(token) or ""
-        markers = len(raw) - len(raw.lstrip("\u2581"))
-        missing = markers - (len(text) - len(text.lstrip(" ")))
-        return " " * missing + text if missing > 0 else text
+                                logits_processor=adjust.processors(), **kwargs)
 
     def _advance(self, row: _Row, token: int, emit: Emit, position: Position | None = None
                  ) -> bool:
@@ -414,86 +384,6 @@ def _greedy_sampling() -> Sampling:
     return Sampling(max_tokens=2)
 
 
-class _RowLogits:
-    """What `generate` has no per-row parameter for, applied row by row: `logit_bias`, the
-    presence and frequency penalties over each row's output (its resumed tokens included: a
-    moved request continues as if it had not moved), and `min_tokens` (no end of sequence nor
-    stop token before it)."""
-
-    def __init__(self, backend: HFBackend, rows: list[_Row], width: int) -> None:
-        self.backend, self.rows, self.width = backend, rows, width
-        sampling = rows[0].request.sampling if rows else None
-        self.active = sampling is not None and bool(
-            sampling.logit_bias or sampling.presence_penalty or sampling.frequency_penalty
-            or any(r.request.sampling.min_tokens > r.request.resumed for r in rows))
-
-    def processors(self) -> Any:
-        from transformers import LogitsProcessor, LogitsProcessorList
-
-        if not self.active:
-            return LogitsProcessorList()
-        adjust = self
-
-        class _Adjust(LogitsProcessor):
-            def __call__(self, input_ids: Any, scores: Any) -> Any:
-                return adjust(input_ids, scores)
-
-        return LogitsProcessorList([_Adjust()])
-
-    def __call__(self, input_ids: Any, scores: Any) -> Any:
-        torch = self.backend.torch
-        for i, row in enumerate(self.rows):
-            sampling, request = row.request.sampling, row.request
-            for token, bias in sampling.logit_bias.items():
-                if 0 <= token < scores.shape[1]:
-                    scores[i, token] += bias
-            if sampling.presence_penalty or sampling.frequency_penalty:
-                output = input_ids[i, self.width - request.resumed:]
-                if output.numel():
-                    counts = torch.bincount(output, minlength=scores.shape[1])[:scores.shape[1]]
-                    scores[i] -= (sampling.frequency_penalty * counts
-                                  + sampling.presence_penalty * (counts > 0))
-            generated = input_ids.shape[1] - self.width + request.resumed
-            if generated < sampling.min_tokens:
-                ends = [*sampling.stop_token_ids]
-                if not sampling.ignore_eos and self.backend.tokenizer.eos_token_id is not None:
-                    ends.append(self.backend.tokenizer.eos_token_id)
-                for token in ends:
-                    if 0 <= token < scores.shape[1]:
-                        scores[i, token] = -float("inf")
-        return scores
-
-
-class _RawLogits:
-    """While a batch that asks for logprobs generates: the model's raw logits at the last
-    position of each forward (a hook on its output layer), as log-probabilities, before any
-    temperature, penalty or bias (vLLM's default logprobs)."""
-
-    def __init__(self, model: Any, top: int | None) -> None:
-        self.model, self.wanted = model, top is not None
-        self.last: Any = None
-        self.handle: Any = None
-
-    def __enter__(self) -> _RawLogits | None:
-        if not self.wanted:
-            return None
-        self.handle = self.model.get_output_embeddings().register_forward_hook(self._keep)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-        self.last = None
-
-    def _keep(self, module: Any, inputs: Any, output: Any) -> None:
-        self.last = output[:, -1, :]
-
-    def logprobs(self) -> Any:
-        import torch
-
-        return None if self.last is None else torch.log_softmax(self.last.float(), dim=-1)
-
-
 class _StreamHook:
     """Called by `generate` after every token position: stream each live row's new token, end
     rows that are done (eos, their own max_tokens, aborted), stamp the busy loop's progress."""
@@ -502,20 +392,21 @@ class _StreamHook:
                  on_token: Callable[[], None]) -> None:
         self.backend, self.rows, self.width = backend, rows, width
         self.emit, self.on_token = emit, on_token
-        self.raw: _RawLogits | None = None
+        self.raw: RawLogits | None = None
 
     def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-        torch = self.backend.torch
-        position = input_ids.shape[1] - 1
+        backend = self.backend
+        torch = backend.torch
+        at = input_ids.shape[1] - 1
         done = []
         logprobs = self.raw.logprobs() if self.raw is not None else None
         for i, row in enumerate(self.rows):
-            if not row.done and position >= self.width:
-                token = int(input_ids[i, position])
+            if not row.done and at >= self.width:
+                token = int(input_ids[i, at])
                 top = row.request.sampling.logprobs
-                self.backend._advance(row, token, self.emit, None if (
+                backend._advance(row, token, self.emit, None if (
                     logprobs is None or top is None)
-                    else self.backend.position(logprobs[i], token, top))
+                    else position(torch, backend.tokenizer, logprobs[i], token, top))
             done.append(row.done)
         self.on_token()
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)

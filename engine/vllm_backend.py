@@ -17,6 +17,9 @@ Exit 78 (EngineConfigError) only for what a restart cannot fix: vLLM or torch mi
 interpreter, an unusable model directory, engine_args that EngineArgs or vLLM's config
 validation reject. Anything that fails later, while the engine is built (out of memory, a KV
 cache that does not fit), is an ordinary crash: restarted with backoff.
+
+Beside it: a request's way through vLLM (engine.vllm_requests), its KV cache under memory_limit
+(engine.vllm_memory), its chat frontend (engine.vllm_chat).
 """
 
 from __future__ import annotations
@@ -28,12 +31,12 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from engined.engine.backend import (
     Admission,
+    Backend,
     Delta,
     Emit,
     EngineConfigError,
@@ -43,15 +46,23 @@ from engined.engine.backend import (
     PromptLogprobs,
     RequestRejected,
     fallback_chat_prompt,
-    first_position,
     torch_gpu_memory,
 )
 from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
 from engined.engine.memory import ALONE_TRIES, BatchLimit, is_oom, too_large, trim
 from engined.engine.vllm_chat import Chat, ChatFrontend
+from engined.engine.vllm_memory import cache_info, kv_does_not_fit, kv_sizing, memory_kwargs
+from engined.engine.vllm_requests import (
+    Seq,
+    VllmRequests,
+    finish_reason,
+    positions,
+    prompt_positions,
+    stop_token,
+)
 
 if TYPE_CHECKING:
-    from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory, Position, Sampling
+    from engined.engine.protocol import ChatMessage, EngineConfig, GpuMemory
 
 # Set before vLLM is imported (vllm.envs reads them then, some of them once).
 _FORCED_ENV = {
@@ -106,7 +117,7 @@ def build_vllm_backend(config: EngineConfig, progress: ProgressFn) -> VllmBacken
         engine = LLMEngine.from_vllm_config(
             vllm_config, disable_log_stats=bool(kwargs.get("disable_log_stats")))
     except ValueError as exc:
-        _kv_does_not_fit(config.memory_limit, exc)
+        kv_does_not_fit(config.memory_limit, exc)
         raise
     for sig, handler in handlers.items():  # the core's stop flag must keep its signals
         if signal.getsignal(sig) is not handler:
@@ -133,49 +144,6 @@ def engine_kwargs(config: EngineConfig, path: Path) -> dict[str, Any]:
     kwargs.setdefault("use_tqdm_on_load", False)
     kwargs.setdefault("disable_log_stats", True)  # load() reads the scheduler directly
     return kwargs
-
-
-def memory_kwargs(limit: int, device: str, torch: Any) -> dict[str, Any]:
-    """The KV budget from `memory_limit`, through vLLM's own sizing: its memory utilisation
-    (on a CPU, of the NUMA node's memory; on a GPU, of the device's) is the limit less a
-    reserve (engine.memory.reserve) over the total, and vLLM gives its KV cache whatever of
-    that the engine does not hold after loading and profiling the model."""
-    from engined.engine import memory
-
-    env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
-    if env.strip():  # vLLM's legacy setting overrides any other sizing
-        raise EngineConfigError(f"env VLLM_CPU_KVCACHE_SPACE={env} sizes vLLM's KV cache, and so "
-                                f"does memory_limit: set one of them")
-    if device.startswith("cuda"):
-        total = int(torch.cuda.mem_get_info()[1])
-    else:
-        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
-
-        total = int(get_memory_node_info(get_allowed_cpu_list()[0].numa_node).total_memory)
-    budget = limit - memory.reserve(limit)
-    held = memory.held_bytes(device, torch)
-    if budget <= held:
-        raise EngineConfigError(
-            f"memory_limit ({limit} bytes) leaves no room for a KV cache: less its reserve "
-            f"({limit - budget} bytes) it is {budget} bytes, and the engine holds {held} before "
-            f"its model is even loaded: raise it")
-    return {"gpu_memory_utilization": round(budget / total, 6)}
-
-
-def _kv_does_not_fit(limit: int | None, exc: ValueError) -> None:
-    """vLLM could not size a KV cache under memory_limit: a configuration error (exit 78), not a
-    crash to restart, when the limit is the cause (the engine holds it all already, or one
-    sequence of max_model_len does not fit)."""
-    from engined.engine import memory
-
-    if limit is None:
-        return
-    text = " ".join(str(exc).split())
-    held = memory.rss_bytes()
-    if held >= limit - memory.reserve(limit) or "max seq len" in text or "KV cache" in text:
-        raise EngineConfigError(f"memory_limit ({limit} bytes; the engine holds {held} after "
-                                f"loading its model) is too small for vLLM's KV cache: {text}"
-                                ) from None
 
 
 def _import(name: str) -> Any:
@@ -229,110 +197,37 @@ def _device(config: EngineConfig) -> str:
     return "cuda:0" if kind == "cuda" else kind
 
 
-def _finish_reason(reason: object) -> str:
-    """vLLM's finish reason as the core's: stop and length as they are; its repetition
-    detector ended the text (stop); an abort or error inside vLLM (not ours: aborted requests
-    give no output) is reported as such."""
-    from engined.engine import protocol as proto
-
-    text = str(reason) if reason is not None else ""
-    if text in (proto.FINISH_STOP, proto.FINISH_LENGTH):
-        return text
-    if text == "repetition":
-        return proto.FINISH_STOP
-    if text == proto.FINISH_ABORT:
-        return proto.FINISH_ABORT
-    return proto.FINISH_ERROR
-
-
-@dataclass
-class _Seq:
-    """A request inside vLLM. One that an out-of-memory step cut is re-added as a continuation:
-    its prompt then ends with what it had delivered (`prefix`), and its text is decoded here
-    over prefix + ids so that it joins what was sent exactly (a character split across the cut
-    included)."""
-
-    request: Admission
-    ids: list[int] = field(default_factory=list)  # generated by this vLLM request
-    text_len: int = 0  # characters of the request's text delivered so far, prefix included
-    prefix: list[int] = field(default_factory=list)
-    alone_ooms: int = 0  # steps it ran out of memory in alone
-
-    def text(self, ids: list[int], vllm_text: str,
-             decode: Callable[[list[int], bool], str]) -> str:
-        """The new text for `ids`: vLLM's own, or for a continuation decoded over it all."""
-        self.ids.extend(ids)
-        if not self.prefix:
-            self.text_len += len(vllm_text)
-            return vllm_text
-        r = self.request
-        skip = r.chat.skip_special_tokens if r.chat is not None else r.sampling.skip_special_tokens
-        full = decode(self.prefix + self.ids, skip)
-        if full.endswith("\ufffd"):  # a byte-level token inside a character: hold it back
-            return ""
-        text, self.text_len = full[self.text_len:], len(full)
-        return text
-
-    def continuation(self) -> _Seq:
-        import msgspec
-
-        r = self.request
-        # its prompt's logprobs went out with its first output: not again
-        sampling = msgspec.structs.replace(r.sampling, prompt_logprobs=None)
-        return _Seq(Admission(r.id, r.prompt_ids + self.ids, r.max_tokens - len(self.ids),
-                              sampling, resumed=r.resumed + len(self.ids), chat=r.chat),
-                    text_len=self.text_len, prefix=self.prefix + self.ids,
-                    alone_ooms=self.alone_ooms)
-
-
-class VllmBackend:
+class VllmBackend(Backend):
     # requests join a running batch at every step, but a burst split over two costs one more
     burst_window = True
 
     def __init__(self, engine: Any, device: str, dtype: str, gpus: list[int],
                  torch: Any, max_batch_size: int = 1 << 30) -> None:
-        from vllm import SamplingParams, TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
         self.engine: Any = engine
         self.device, self.dtype = device, dtype
         self.gpus = gpus
         self.torch = torch
-        self._sampling_params, self._tokens_prompt = SamplingParams, TokensPrompt
-        self._delta = RequestOutputKind.DELTA
-        self._rejections = _rejection_types()
+        self.intake = VllmRequests()  # vLLM's request types, imported now, not in a step
         self.tokenizer: Any = engine.get_tokenizer()
         # for the heartbeat thread's load(): plain reads (len of lists, a usage ratio)
         self.scheduler: Any = getattr(getattr(engine.engine_core, "engine_core", None),
                                       "scheduler", None)
-        self.live: dict[str, _Seq] = {}  # added and neither finished nor aborted
+        self.live: dict[str, Seq] = {}  # added and neither finished nor aborted
         # Under a batch limit lowered by an out-of-memory step (engine.memory), requests wait
         # here, in front of vLLM's scheduler; cut requests first. At its maximum, vLLM's own
         # max_num_seqs and KV preemption decide alone.
         self.batch = BatchLimit(max_batch_size)
-        self.held: collections.deque[_Seq] = collections.deque()
-        self._structured_types = _structured_types()  # imported now, not in a step
+        self.held: collections.deque[Seq] = collections.deque()
         self.frontend: ChatFrontend | None = None  # vLLM's chat frontend (spec frontend_args)
 
     # --- tokens ------------------------------------------------------------------------------
     @property
     def cache_info(self) -> dict[str, float]:
-        """Its KV cache's blocks, as vLLM's own vllm:cache_config_info says them."""
-        cache = self.engine.vllm_config.cache_config
-        return {k: float(v) for k in ("block_size", "num_gpu_blocks")
-                if isinstance(v := getattr(cache, k, None), int) and not isinstance(v, bool)}
+        return cache_info(self.engine)
 
     @property
     def sizing(self) -> dict[str, float]:
-        """How vLLM sized its KV cache: its memory utilisation and the cache it allocated."""
-        out = {"gpu_memory_utilization":
-               float(self.engine.vllm_config.cache_config.gpu_memory_utilization)}
-        try:
-            tensors = self.scheduler.kv_cache_config.kv_cache_tensors
-            out["kv_cache_bytes"] = float(sum(int(t.size) for t in tensors))
-        except AttributeError:
-            pass
-        return out
+        return kv_sizing(self.engine, self.scheduler)
 
     @property
     def max_model_len(self) -> int:
@@ -366,9 +261,9 @@ class VllmBackend:
     # --- requests ----------------------------------------------------------------------------
     def add(self, request: Admission) -> None:
         if self.held or not self._room():
-            self.held.append(_Seq(request))
+            self.held.append(Seq(request))
             return
-        self._submit(_Seq(request))
+        self._submit(Seq(request))
 
     def _room(self) -> bool:
         return self.batch.limit >= self.batch.maximum or len(self.live) < self.batch.limit
@@ -381,41 +276,9 @@ class VllmBackend:
             except RequestRejected as exc:
                 emit(Finished(seq.request.id, "error", error=str(exc), rejected=True))
 
-    def _submit(self, seq: _Seq) -> None:
-        request = seq.request
-        s = request.sampling
-        try:
-            params = self._sampling_params(
-                max_tokens=request.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                seed=s.seed, top_k=s.top_k, min_p=s.min_p,
-                repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias) or None,
-                min_tokens=max(0, s.min_tokens - request.resumed), ignore_eos=s.ignore_eos,
-                stop_token_ids=list(s.stop_token_ids) or None, logprobs=s.logprobs,
-                prompt_logprobs=s.prompt_logprobs, output_kind=self._delta,
-                structured_outputs=(request.chat.structured if request.chat is not None
-                                    else self._structured(s)),
-                skip_special_tokens=(request.chat.skip_special_tokens
-                                     if request.chat is not None else s.skip_special_tokens))
-            self.engine.add_request(request.id,
-                                    self._tokens_prompt(prompt_token_ids=list(request.prompt_ids)),
-                                    params)
-        except self._rejections as exc:  # vLLM's validation: too long, bad token id, ...
-            raise RequestRejected(" ".join(str(exc).split()) or type(exc).__name__) from None
-        self.live[request.id] = seq
-
-    def _structured(self, s: Sampling) -> Any:
-        """vLLM's StructuredOutputsParams from the request's response_format and
-        structured_outputs, read by vLLM's own request code (its ValidationErrors are
-        ValueErrors: the request is rejected with vLLM's words)."""
-        if s.response_format is None and s.structured_outputs is None:
-            return None
-        params_type, formats, combine = self._structured_types
-        params = (params_type(**s.structured_outputs)
-                  if s.structured_outputs is not None else None)
-        response_format = (formats.validate_python(s.response_format)
-                           if s.response_format is not None else None)
-        return combine(params, response_format)
+    def _submit(self, seq: Seq) -> None:
+        self.intake.submit(self.engine, seq.request)
+        self.live[seq.request.id] = seq
 
     def abort(self, request_id: str) -> None:
         if self.live.pop(request_id, None) is not None:
@@ -452,25 +315,20 @@ class VllmBackend:
             ids = list(completion.token_ids) if completion is not None else []
             text = seq.text(ids, completion.text if completion is not None else "",
                             self._decode)
-            logprobs = _positions(getattr(completion, "logprobs", None))
+            logprobs = positions(getattr(completion, "logprobs", None))
             if getattr(out, "prompt_logprobs", None):  # with the first output only
-                prompt = _positions(out.prompt_logprobs) or []
-                first = list(out.prompt_token_ids or [])[:1]
-                if prompt and not prompt[0] and first:  # nothing comes before it
-                    prompt[0] = first_position(first[0], self.tokenizer.decode(first))
-                emit(PromptLogprobs(request_id, prompt))
+                emit(PromptLogprobs(request_id, prompt_positions(out, self.tokenizer.decode)))
             reason = None
             if out.finished:
-                reason = _finish_reason(getattr(completion, "finish_reason", None))
+                reason = finish_reason(getattr(completion, "finish_reason", None))
             if ids or text:
                 # Ended by eos or by a stop token id (the model's or the request's
                 # stop_token_ids): that token is the last id, with its logprobs and no text, as
                 # vLLM's server counts and shows it
                 emit(Delta(request_id, ids, text, logprobs))  # may abort it (a stop string)
             if reason is not None and self.live.pop(request_id, None) is not None:
-                stop_reason = getattr(completion, "stop_reason", None)
-                emit(Finished(request_id, reason, stop_reason=stop_reason if isinstance(
-                    stop_reason, int) and not isinstance(stop_reason, bool) else None))
+                emit(Finished(request_id, reason,
+                              stop_reason=stop_token(getattr(completion, "stop_reason", None))))
         on_token()
         if self.live and not self.engine.has_unfinished_requests():
             # vLLM dropped requests without a final output: never leave them waiting forever
@@ -572,38 +430,3 @@ class VllmBackend:
         self.tokenizer = None
         gc.collect()
         return report
-
-
-def _positions(logprobs: Any) -> list[Position] | None:
-    """vLLM's logprobs (per position a {token id: Logprob} in its order, the sampled or prompt
-    token first, or None for a prompt's first position) as the protocol's positions."""
-    from engined.engine.protocol import TokenLogprob
-
-    if logprobs is None:
-        return None
-    return [[TokenLogprob(int(token), float(lp.logprob), int(lp.rank or 0),
-                          lp.decoded_token or "") for token, lp in position.items()]
-            if position else [] for position in logprobs]
-
-
-def _structured_types() -> tuple[Any, Any, Any]:
-    """vLLM's own reading of structured-output requests: its params type, its response_format
-    types (pydantic) and how its server combines the two."""
-    from pydantic import TypeAdapter
-    from vllm.entrypoints.generate.base.protocol import (
-        AnyResponseFormat,
-        structured_outputs_from_response_format,
-    )
-    from vllm.sampling_params import StructuredOutputsParams
-
-    return (StructuredOutputsParams, TypeAdapter(AnyResponseFormat),
-            structured_outputs_from_response_format)
-
-
-def _rejection_types() -> tuple[type[BaseException], ...]:
-    """What vLLM raises for an invalid request (VLLMValidationError is not a ValueError)."""
-    try:
-        from vllm.exceptions import VLLMClientError
-    except ImportError:  # older vLLM: plain ValueErrors
-        return (ValueError, TypeError)
-    return (VLLMClientError, ValueError, TypeError)

@@ -78,6 +78,25 @@ def test_exception_in_busy_loop_exits_1_after_cleanup(channels: Channels, tiny_c
     assert goodbye.reason == "exception" and goodbye.cleanup.get("model_freed") == 1, goodbye
 
 
+def test_faults_are_injected_only_where_the_tests_ask(channels: Channels, tiny_cache: Path,
+                                                      children):
+    """Fault injection is a backend the tests select (engine.faults): without
+    ENGINED_FAULT_INJECTION=1 a model engine takes `!raise` as any other prompt."""
+    proc = spawn_engine(channels, tiny_cache, "builtin:tiny-llama",
+                        extra_env={"ENGINED_FAULT_INJECTION": "0"})
+    children.append(proc)
+    identity, _ = channels.wait_ready(LOAD_TIMEOUT_S)
+    request = proto.GenerateRequest("x", "!raise", sampling=proto.Sampling(max_tokens=4))
+    channels.requests.send_multipart([identity, proto.encode(request)])
+    assert channels.requests.poll(60_000), "no answer to !raise"
+    _, frame = channels.requests.recv_multipart()
+    result = proto.decode_request(frame)
+    assert isinstance(result, proto.GenerateResult) and result.error is None, result
+    assert result.completion_tokens > 0 and proc.poll() is None, result
+    os.kill(proc.pid, signal.SIGTERM)
+    assert exit_of(proc, 30)[0] == 128 + signal.SIGTERM
+
+
 def _model_case(case: str, cache: Path, tmp: Path) -> tuple[str, str | None]:
     (checkpoint,) = cache.glob("tiny-llama-*")
     if case == "missing":

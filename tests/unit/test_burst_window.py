@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from engined.engine.core import _COALESCE_GAP_S, _LONE_STARTS, BurstWindow, EngineCoreProc
+from engined.engine.batching import COALESCE_GAP_S, LONE_STARTS, BurstWindow
+from engined.engine.core import EngineCoreProc
 from engined.engine.echo import EchoBackend
 from engined.engine.transformers_backend import HFBackend
 from engined.engine.vllm_backend import VllmBackend
@@ -48,7 +49,8 @@ def _core(burst: _Burst, max_batch_size: int, first: int = 1) -> SimpleNamespace
     """What `_coalesce` reads of the core: the request table, the socket, the batch bound, the
     stop flag; `first` requests already taken (the ones that ended the idle poll)."""
     table = SimpleNamespace(active={f"r{i}": object() for i in range(first)})
-    core = SimpleNamespace(table=table, requests=burst, stop=SimpleNamespace(set=False),
+    core = SimpleNamespace(table=table, channels=SimpleNamespace(requests=burst),
+                           stop=SimpleNamespace(set=False),
                            config=SimpleNamespace(max_batch_size=max_batch_size))
     core._take_requests = lambda: burst.take(table)
     core.window = BurstWindow(True)
@@ -61,7 +63,7 @@ def test_the_window_takes_a_whole_burst_then_one_empty_gap_ends_it() -> None:
     core = _core(burst, max_batch_size=16)
     EngineCoreProc._coalesce(core)  # type: ignore[arg-type]
     assert len(core.table.active) == 8  # the first and the seven behind it: one step
-    assert burst.polls == [round(_COALESCE_GAP_S * 1000)] * 8  # seven arrivals, one empty gap
+    assert burst.polls == [round(COALESCE_GAP_S * 1000)] * 8  # seven arrivals, one empty gap
 
 
 def test_a_lone_request_pays_one_empty_gap() -> None:
@@ -109,15 +111,15 @@ LONE, SPLIT, GATHERED = (1, 0), (1, 7), (8, 0)
 
 
 @pytest.mark.parametrize(("starts", "open_before_each"), [
-    # lone requests: the window is paid _LONE_STARTS times, then skipped
-    ([LONE] * (_LONE_STARTS + 2), [True] * _LONE_STARTS + [False] * 2),
+    # lone requests: the window is paid LONE_STARTS times, then skipped
+    ([LONE] * (LONE_STARTS + 2), [True] * LONE_STARTS + [False] * 2),
     # a burst the window gathered is not lone: the count starts again
-    ([LONE] * (_LONE_STARTS - 1) + [GATHERED] + [LONE] * _LONE_STARTS,
-     [True] * (2 * _LONE_STARTS)),
+    ([LONE] * (LONE_STARTS - 1) + [GATHERED] + [LONE] * LONE_STARTS,
+     [True] * (2 * LONE_STARTS)),
     # with the window off, a burst splits once; the split turns it back on
-    ([LONE] * _LONE_STARTS + [SPLIT, GATHERED], [True] * _LONE_STARTS + [False, True]),
+    ([LONE] * LONE_STARTS + [SPLIT, GATHERED], [True] * LONE_STARTS + [False, True]),
     # two requests that arrived together, or one behind the other during the first step
-    ([LONE] * _LONE_STARTS + [(1, 1), (2, 0)], [True] * _LONE_STARTS + [False, True]),
+    ([LONE] * LONE_STARTS + [(1, 1), (2, 0)], [True] * LONE_STARTS + [False, True]),
 ])
 def test_lone_requests_turn_the_window_off_and_a_split_burst_turns_it_on(
         starts: list[tuple[int, int]], open_before_each: list[bool]) -> None:
@@ -132,10 +134,10 @@ def test_a_backend_without_the_window_never_waits() -> None:
 def test_admit_skips_the_gap_after_lone_requests_and_waits_again_after_a_split() -> None:
     burst = _Burst(frames=0)
     core = _core(burst, max_batch_size=8, first=0)
-    for n in range(_LONE_STARTS + 1):  # lone requests, each on an idle engine
+    for n in range(LONE_STARTS + 1):  # lone requests, each on an idle engine
         burst.queued = 1
         EngineCoreProc._admit(core, was_idle=True)  # type: ignore[arg-type]
-        assert len(burst.polls) == min(n + 1, _LONE_STARTS)  # the last one paid no gap
+        assert len(burst.polls) == min(n + 1, LONE_STARTS)  # the last one paid no gap
         EngineCoreProc._admit(core, was_idle=False)  # type: ignore[arg-type]  # its step
         core.table.active.clear()
     burst.queued = 1  # a burst: its first member reaches the idle engine alone...
