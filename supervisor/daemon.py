@@ -30,6 +30,7 @@ from engined.engine.contract import (
     set_process_title,
 )
 from engined.supervisor import __version__
+from engined.supervisor.cluster.services import ClusterServices
 from engined.supervisor.host import scratch
 from engined.supervisor.host.fdreserve import raise_nofile_limit
 from engined.supervisor.host.gpus import visible_gpus
@@ -87,7 +88,8 @@ class Daemon:
         log.info("[start] file descriptors: soft limit %d raised to %d (hard %d); engines get "
                  "%d", old_soft, soft, hard, old_soft)
         daemon: Daemon
-        services = Services.build(spec, paths, old_soft, lambda: daemon.request_reload())
+        kind = Services if spec.upstreams is None else ClusterServices  # its gateway's routes
+        services = kind.build(spec, paths, old_soft, lambda: daemon.request_reload())
         daemon = cls(spec, paths, services)
         services.control.upgrade = daemon.request_upgrade
         services.control.handover_info = daemon.in_place.info
@@ -148,8 +150,8 @@ class Daemon:
             s.fleet.start()
         else:
             await self.in_place.resume(resumed)
-        if s.nodes is not None:
-            self._spawn_task(s.nodes.run(), "nodes")
+        for name, job in s.background().items():
+            self._spawn_task(job, name)
         s.notifier.ready(status_line(s.fleet))
         self._spawn_task(s.notifier.watchdog(s.monitor.healthy), "watchdog")
         keeper = self.keeper = recovery.Keeper(snapshot.path_in(self.paths.runtime_dir),
@@ -232,8 +234,7 @@ class Daemon:
                 s.gateway.api_key.reload(self.spec.supervisor.api_key_file)
             if self.spec.supervisor.control_token_file is not None:
                 s.control_token.reload(self.spec.supervisor.control_token_file)
-            if s.nodes is not None and new.upstreams is not None:  # the new node list
-                s.reload_nodes(new.upstreams)
+            s.reload_routes(self.spec)  # a cluster gateway's new node list
             s.fleet.apply(self.spec, plan)
             s.control.generation += 1
             summary = plan.summary()
@@ -258,10 +259,7 @@ class Daemon:
         try:
             if s.gateway is not None:  # drain: accept nothing new, finish what runs
                 s.router.closing = s.gateway.router.closing = True
-                budget = max((r.spec.stop_timeout_s for r in s.fleet.replicas.values()),
-                             default=0.0)
-                if self.spec.upstreams is not None:  # a cluster gateway: its streams finish
-                    budget = self.spec.upstreams.request_timeout_s
+                budget = s.drain_budget_s()
                 if not await s.gateway.drained(budget):
                     log.warning("[shutdown] %d gateway request(s) still running after %.0fs",
                                 s.gateway.active, budget)

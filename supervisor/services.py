@@ -20,13 +20,13 @@ import dataclasses
 import logging
 import os
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
-from engined.supervisor import cluster
 from engined.supervisor.control.api import ControlContext, make_app
 from engined.supervisor.control.events import EventLog, transition
 from engined.supervisor.gateway.app import Gateway
@@ -50,8 +50,9 @@ from engined.supervisor.logs import StdoutLines
 from engined.supervisor.observe.monitoring import MonitoringEndpoint
 from engined.supervisor.observe.sampler import Sampler
 from engined.supervisor.observe.systemd import Notifier
-from engined.supervisor.routing import Router
-from engined.supervisor.spec.model import ClientLimits, FleetSpec, SupervisorSpec, UpstreamsSpec
+from engined.supervisor.routing.replicas import Router
+from engined.supervisor.routing.routes import Routes
+from engined.supervisor.spec.model import ClientLimits, FleetSpec, SupervisorSpec
 from engined.supervisor.webserver import ApiKey, CappedRunner, listening, make_runner
 
 log = logging.getLogger("engined")
@@ -101,7 +102,9 @@ class Services:
     # supervisor.control_tcp's bearer token (required: nobody gets in without one)
     control_token: ApiKey = dataclasses.field(
         default_factory=lambda: ApiKey(None, "control_token_file", required=True))
-    nodes: cluster.Nodes | None = None  # a cluster gateway's (upstreams:)
+    # what the gateway routes over: the router (the fleet's replicas), or a cluster gateway's
+    # nodes (supervisor.cluster.services)
+    routes: Routes = dataclasses.field(kw_only=True)
 
     @classmethod
     def build(cls, spec: FleetSpec, paths: Paths, nofile: int | None,
@@ -139,23 +142,16 @@ class Services:
         control = ControlContext(fleet, router, channels, sampler, events, paths.config,
                                  reload=reload, fork_servers=launcher.describe)
         upstream = Upstream()
-        nodes = None
-        gateway_router = router
-        if spec.upstreams is not None:  # a cluster gateway: its router is over node gateways
-            nodes = cluster.Nodes(spec.upstreams, clock.monotonic, upstream.on_lost,
-                                  lambda: node_router.changed())
-            gateway_router = node_router = cluster.NodeRouter(nodes, clock.monotonic)
-            upstream.headers = _node_headers(spec.upstreams)
-        gateway = (Gateway(gateway_router, channels, upstream, ApiKey(sup.api_key_file),
-                           clock.monotonic) if sup.gateway is not None else None)
+        routes = cls.gateway_routes(spec, router, upstream, clock)
+        gateway = (Gateway(routes, channels, upstream, ApiKey(sup.api_key_file),
+                           clock.monotonic, on_counted=changed.set)
+                   if sup.gateway is not None else None)
 
         def on_state(change: StateChange) -> None:
             events.publish(transition(change.view, change.old.value))
             notifier.status(status_line(fleet))
 
         events.on_publish = changed.set
-        if gateway is not None:
-            gateway.on_counted = changed.set
         notices.state.subscribe(on_state)
         notices.state.subscribe(router.on_state)
         notices.lost.subscribe(channels.on_lost)
@@ -164,7 +160,33 @@ class Services:
         watcher.on_change.append(lambda pid, alive: changed.set())  # the snapshot is due
         return cls(clock, monitor, notifier, sampler, probes, watcher, reaper, guard, budget,
                    launcher, channels, router, fleet, events, control, upstream, gateway,
-                   changed, notices=notices, stdout=stdout, nodes=nodes)
+                   changed, notices=notices, stdout=stdout, routes=routes)
+
+    # --- what a cluster gateway does its own way (supervisor.cluster.services) ---------------
+    @classmethod
+    def gateway_routes(cls, spec: FleetSpec, router: Router, upstream: Upstream,
+                       clock: SystemClock) -> Routes:
+        """What the gateway routes over: the fleet's replicas."""
+        return router
+
+    def background(self) -> dict[str, Coroutine[Any, Any, None]]:
+        """What runs beside the fleet until shutdown, by name: nothing here."""
+        return {}
+
+    def reload_routes(self, spec: FleetSpec) -> None:
+        """A reload: the routes follow the fleet's replicas by themselves."""
+
+    def drain_budget_s(self) -> float:
+        """How long a shutdown lets the gateway's requests finish: the longest stop_timeout."""
+        return max((r.spec.stop_timeout_s for r in self.fleet.replicas.values()), default=0.0)
+
+    def readiness(self) -> tuple[int, dict[str, Any]]:
+        """/readyz: the fleet's."""
+        return self.fleet.view().readiness()
+
+    def node_states(self) -> list[tuple[str, bool]]:
+        """engined_cluster_node_up: (node, whether it takes requests); no node here."""
+        return []
 
     async def serve(self, spec: FleetSpec, paths: Paths,
                     inherited: dict[str, int] | None = None) -> dict[str, CappedRunner]:
@@ -178,9 +200,10 @@ class Services:
             runners["control_tcp"] = await self._serve_control_tcp(sup, given.get("control_tcp"))
         if sup.http is not None:
             endpoint = MonitoringEndpoint(self.fleet, self.channels, self.sampler, self.monitor,
-                                          self.gateway, lambda: self.control.handover_info(),
+                                          self.gateway.stats if self.gateway else None,
+                                          lambda: self.control.handover_info(),
                                           lambda: self.clients, lambda: self.replica_ports,
-                                          self.nodes)
+                                          self.readiness, self.node_states)
             runners["http"] = await self._serve_tcp(endpoint.make_app(), sup.http,
                                                     MAX_HTTP_CONNECTIONS, "HTTP", "http",
                                                     given.get("http"), sup.clients)
@@ -276,12 +299,6 @@ class Services:
                                f"(supervisor.{key}): {exc.strerror or exc}") from None
         return runner
 
-    def reload_nodes(self, spec: UpstreamsSpec) -> None:
-        """A reload of a cluster gateway: its node list and the node gateways' token."""
-        assert self.nodes is not None
-        self.nodes.update(spec)
-        self.upstream.headers = _node_headers(spec)
-
     async def close(self) -> None:
         """After the fleet has stopped: the fork servers, the guard, the clients and the engine
         channels."""
@@ -299,7 +316,3 @@ def status_line(fleet: Fleet) -> str:
     ready, wanted = fleet.counts()
     return f"{ready}/{wanted} engines ready"
 
-
-def _node_headers(spec: UpstreamsSpec) -> dict[str, str]:
-    """What the cluster gateway sends the node gateways: their token, when they ask one."""
-    return ApiKey(spec.api_key_file, "upstreams.api_key_file").headers()

@@ -28,7 +28,8 @@ from engined.supervisor.lifecycle.replica import Replica
 from engined.supervisor.lifecycle.state import EngineState
 from engined.supervisor.lifecycle.view import EngineView
 from engined.supervisor.observe.sampler import Sample, Sampler
-from engined.supervisor.routing import Lease, NoReplica, Router
+from engined.supervisor.routing.replicas import ReplicaLease, Router
+from engined.supervisor.routing.routes import NoReplica
 from engined.supervisor.spec.reload import ReloadRejected
 from engined.supervisor.upgrade.handover import HandoverRejected
 from engined.supervisor.webserver import LONG_LIVED, ApiKey, BodyTimeout, read_body
@@ -284,7 +285,7 @@ class _Routes:
             self.ctx.router.release(lease)
 
     async def _open(self, engine: str | None, gen: proto.GenerateRequest,
-                    deadline: float) -> tuple[Lease, RequestStream]:
+                    deadline: float) -> tuple[ReplicaLease, RequestStream]:
         """A replica of `engine` (a replica, a group; any when None) chosen by the router, and
         the request sent to it."""
         fleet, router = self.ctx.fleet, self.ctx.router
@@ -297,8 +298,8 @@ class _Routes:
             router.release(lease)
             raise
 
-    async def _generate_whole(self, lease: Lease, stream: RequestStream, timeout_s: float,
-                              started: float) -> web.Response:
+    async def _generate_whole(self, lease: ReplicaLease, stream: RequestStream,
+                              timeout_s: float, started: float) -> web.Response:
         replica = lease.replica
         try:
             result = await stream.result(timeout_s)
@@ -314,8 +315,9 @@ class _Routes:
         return web.json_response({**_result_fields(result), "text": result.text,
                                   "total_s": time.monotonic() - started})
 
-    async def _generate_stream(self, request: web.Request, lease: Lease, stream: RequestStream,
-                               timeout_s: float, started: float) -> web.StreamResponse:
+    async def _generate_stream(self, request: web.Request, lease: ReplicaLease,
+                               stream: RequestStream, timeout_s: float,
+                               started: float) -> web.StreamResponse:
         """NDJSON: one `{"text", "token_ids"}` line per chunk as tokens come, then a last line
         with `"done": true` and usage (or `{"error": ...}`)."""
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})

@@ -5,30 +5,28 @@ The model name is the engine group's `served_model_name` (its name by default). 
 bearer token comes from `supervisor.api_key_file` (re-read on reload). Every answer carries an
 `X-Request-Id` (the client's, if it sent a sane one), which the daemon's log lines name too.
 Counted: engined_gateway_requests_total{model,outcome} (ok, error, timeout, rejected,
-client_gone), engined_gateway_migrations_total{model}, time to first token and latency.
+client_gone), engined_gateway_migrations_total{model}, time to first token and latency
+(gateway.admission). The routes read the router only through its Routes (routing.routes): the
+fleet's replicas, or a cluster gateway's nodes.
 GET /metrics here is the inference gateway's model server protocol (serverstats), asked no
 token. With `supervisor.replica_ports`, the same app serves each replica on a port of its own,
-pinned to it (routing.PINNED).
+pinned to it (routes.PINNED).
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import json
-import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from engined.engine.memory import trim
 from engined.supervisor import __version__
 from engined.supervisor.gateway import responses, serverstats, tokens
+from engined.supervisor.gateway.admission import Admission
 from engined.supervisor.gateway.choices import Choices
 from engined.supervisor.gateway.openai import (
     ApiError,
@@ -38,63 +36,43 @@ from engined.supervisor.gateway.openai import (
     parse_chat,
     parse_completion,
 )
-from engined.supervisor.gateway.openai import outcome as outcome_of
 from engined.supervisor.gateway.proxy import Proxy
 from engined.supervisor.gateway.relay import Relay
+from engined.supervisor.gateway.stats import GatewayStats
 from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.ipc import EngineChannels
-from engined.supervisor.lifecycle.loopmonitor import LagHistogram
-from engined.supervisor.routing import PINNED, Closing, QueueFull, Router, UnknownModel
+from engined.supervisor.routing.routes import PINNED, Routes, UnknownModel
 from engined.supervisor.webserver import ApiKey, BodyTimeout, read_body
 
-log = logging.getLogger("engined.gateway")
-
 MAX_BODY_BYTES = 8 << 20
-OUTCOMES = ("ok", "error", "timeout", "rejected", "client_gone")
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                     120.0, 300.0)
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
 PINNED_KEY = web.AppKey("pinned", str)  # the replica a port serves (replica_ports)
-TRIM_EVERY_S = 10.0  # the daemon trims its heap when the gateway goes idle, at most this often
-
-
-@dataclass
-class GatewayStats:
-    requests: collections.Counter[tuple[str, str]] = field(
-        default_factory=collections.Counter)  # (model, outcome)
-    migrations: collections.Counter[str] = field(default_factory=collections.Counter)
-    ttft: dict[str, LagHistogram] = field(default_factory=dict)
-    latency: dict[str, LagHistogram] = field(default_factory=dict)
-
-    def observe(self, kind: dict[str, LagHistogram], model: str, seconds: float) -> None:
-        if model not in kind:
-            kind[model] = LagHistogram(bounds=LATENCY_BUCKETS_S,
-                                       counts=[0] * (len(LATENCY_BUCKETS_S) + 1))
-        kind[model].observe(seconds)
 
 
 class Gateway:
-    def __init__(self, router: Router, channels: EngineChannels, upstream: Upstream,
-                 api_key: ApiKey, clock: Callable[[], float] = time.monotonic) -> None:
+    """The routes: what each one reads of a request and who answers it (engined's own engines
+    through the relay, a server's through the proxy, both behind the router's Routes); every
+    request goes through the admission."""
+
+    def __init__(self, router: Routes, channels: EngineChannels, upstream: Upstream,
+                 api_key: ApiKey, clock: Callable[[], float] = time.monotonic,
+                 on_counted: Callable[[], None] = lambda: None) -> None:
         self.router, self.api_key, self.clock = router, api_key, clock
-        self.stats = GatewayStats()
-        self.on_counted: Callable[[], None] = lambda: None  # the state snapshot is due
-        self._trimmed_at = float("-inf")
+        self.admission = Admission(router, clock, on_counted)  # on_counted: a snapshot is due
         self.channels = channels
-        self.relay = Relay(router, channels, clock, on_move=self._moved)
-        self.choices = Choices(self.relay, clock, self._first)
-        self.proxy = Proxy(router, upstream, clock, on_move=self._moved, on_first=self._first)
-        self.active = 0  # requests in flight (shutdown drains them)
-        self._idle = asyncio.Event()
-        self._idle.set()
+        moved, first = self.admission.moved, self.admission.first
+        self.relay = Relay(router, channels, clock, on_move=moved)
+        self.choices = Choices(self.relay, clock, first)
+        self.proxy = Proxy(router, upstream, clock, on_move=moved, on_first=first)
 
-    def _moved(self, model: str) -> None:
-        self.stats.migrations[model] += 1
+    @property
+    def stats(self) -> GatewayStats:
+        return self.admission.stats
 
-    def _first(self, model: str, seconds: float) -> None:
-        self.stats.observe(self.stats.ttft, model, seconds)
+    @property
+    def active(self) -> int:
+        """Requests in flight."""
+        return self.admission.active
 
     def make_app(self, pinned: str | None = None) -> web.Application:
         """The gateway's routes; `pinned`: a replica's own port (supervisor.replica_ports),
@@ -118,11 +96,7 @@ class Gateway:
 
     async def drained(self, timeout_s: float) -> bool:
         """Until no request is in flight (shutdown: finish what runs), at most `timeout_s`."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        return await self.admission.drained(timeout_s)
 
     # --- middlewares -------------------------------------------------------------------------
     @web.middleware
@@ -183,12 +157,12 @@ class Gateway:
     async def version(self, request: web.Request) -> web.StreamResponse:
         """A vLLM server's version when the gateway serves one, else engined's."""
         groups = sorted({g for g in self.router.models().values()
-                         if self.router.spec_of(g).openai == "vllm"})
+                         if self.router.route_of(g).vllm})
         if not groups:
             return web.json_response({"version": __version__, "engined": __version__})
-        return await self._serve(request, None, groups[0], lambda deadline, limit:
-                                 self.proxy.forward(request, "/version", None, None, groups[0],
-                                                    deadline, limit))
+        return await self.admission.serve(
+            request, None, groups[0], lambda deadline, limit: self.proxy.forward(
+                request, "/version", None, None, groups[0], deadline, limit))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._completion(request, "/v1/completions", parse_completion)
@@ -201,15 +175,15 @@ class Gateway:
         body = await _body(request)
         model, group = self._model_group(body)
         if self._proxied(group):  # a command engine: its own server reads the body
-            return await self._serve(request, model, group, lambda deadline, limit:
-                                     self.proxy.forward(request, path, body, model, group,
-                                                        deadline, limit))
-        spec = self.router.spec_of(group)
-        backend = "builtin:echo" if spec.model.source == "builtin:echo" else spec.backend
+            return await self.admission.serve(
+                request, model, group, lambda deadline, limit: self.proxy.forward(
+                    request, path, body, model, group, deadline, limit))
+        backend = self.router.route_of(group).backend
         batch = parse(body, backend)
         check_backend(batch, backend)
-        return await self._serve(request, model, group, lambda deadline, limit:
-                                 self._relayed(request, batch, group, deadline, limit))
+        return await self.admission.serve(
+            request, model, group, lambda deadline, limit: self._relayed(
+                request, batch, group, deadline, limit))
 
     async def tokenize(self, request: web.Request) -> web.StreamResponse:
         """vLLM's /tokenize and /detokenize: the model's server answers (a command engine), or
@@ -228,7 +202,7 @@ class Gateway:
             result = await tokens.ask(self.router, self.channels, self.clock, group, ask,
                                       deadline, limit)
             return "ok", web.json_response(tokens.answer(ask, result))
-        return await self._serve(request, model, group, run)
+        return await self.admission.serve(request, model, group, run)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's Responses API: a command engine's server answers it, engined's own engines
@@ -241,7 +215,7 @@ class Gateway:
         rid = request["request_id"]
 
         async def run(deadline: float, limit: int) -> tuple[str, web.StreamResponse]:
-            reply = responses.Reply(job, rid, body, self.clock, self._first)
+            reply = responses.Reply(job, rid, body, self.clock, self.admission.first)
             answer = self.relay.run(job, group, rid, deadline, limit)
             try:
                 if job.stream:
@@ -249,7 +223,7 @@ class Gateway:
                 return await reply.whole(answer)
             finally:
                 await answer.aclose()
-        return await self._serve(request, model, group, run)
+        return await self.admission.serve(request, model, group, run)
 
     async def by_model(self, request: web.Request,
                        body: dict[str, Any] | None = None) -> web.StreamResponse:
@@ -266,9 +240,9 @@ class Gateway:
             raise ApiError(404, f"{path} is not served for model '{model}' (engined's own "
                                 f"engines answer /v1/completions and /v1/chat/completions)",
                            code="not_found")
-        return await self._serve(request, model, group, lambda deadline, limit:
-                                 self.proxy.forward(request, path, body, model, group,
-                                                    deadline, limit))
+        return await self.admission.serve(
+            request, model, group, lambda deadline, limit: self.proxy.forward(
+                request, path, body, model, group, deadline, limit))
 
     def _model_group(self, body: dict[str, Any]) -> tuple[str, str]:
         model = body.get("model")
@@ -283,52 +257,7 @@ class Gateway:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
 
     def _proxied(self, group: str) -> bool:
-        return self.router.spec_of(group).is_command
-
-    async def _serve(self, request: web.Request, model: str | None, group: str,
-                     run: Callable[[float, int], Awaitable[tuple[str, web.StreamResponse]]]
-                     ) -> web.StreamResponse:
-        """Admission, accounting and the log line of one request; `run(deadline, limit)` answers
-        it."""
-        rid, label = request["request_id"], model or group
-        started = self.clock()
-        try:
-            self.router.admit(group)
-        except QueueFull as exc:
-            self.stats.requests[(label, "rejected")] += 1
-            raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "1"}) from None
-        except Closing as exc:
-            self.stats.requests[(label, "rejected")] += 1
-            raise ApiError(503, str(exc), kind="server_error",
-                           headers={"Retry-After": "5"}) from None
-        self.active += 1
-        self._idle.clear()
-        spec = self.router.spec_of(group)
-        outcome = "error"
-        try:
-            outcome, response = await run(started + spec.request_timeout_s,
-                                          spec.migration_limit)
-            return response
-        except ApiError as exc:
-            outcome = outcome_of(exc)
-            raise
-        except asyncio.CancelledError:
-            outcome = "client_gone"  # the client hung up (its handler was cancelled)
-            raise
-        finally:
-            self.router.leave(group)
-            self.active -= 1
-            if not self.active:
-                self._idle.set()
-                if self.clock() - self._trimmed_at >= TRIM_EVERY_S:  # a burst ended: give the
-                    self._trimmed_at = self.clock()  # heap it grew back (glibc malloc_trim)
-                    trim()
-            self.stats.requests[(label, outcome)] += 1
-            self.on_counted()
-            self.stats.observe(self.stats.latency, label, self.clock() - started)
-            log.info("[gateway] %s %s %s %s in %.3fs", rid, request.path, label, outcome,
-                     self.clock() - started)
+        return self.router.route_of(group).proxied
 
     async def _relayed(self, request: web.Request, batch: Batch, group: str, deadline: float,
                        limit: int) -> tuple[str, web.StreamResponse]:
@@ -355,4 +284,4 @@ def _api_error(exc: ApiError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
 
 
-__all__ = ["ApiKey", "Gateway", "GatewayStats", "OUTCOMES", "Usage"]
+__all__ = ["ApiKey", "Gateway", "GatewayStats", "Usage"]

@@ -52,9 +52,7 @@ class Choices:
                 await run.aclose()
 
     def _fingerprint(self, group: str) -> str:
-        spec = self.relay.router.spec_of(group)
-        return fingerprint(repr((spec.model.source, spec.model.dtype, spec.backend,
-                                 spec.engine_args, spec.python)))
+        return fingerprint(self.relay.router.route_of(group).config)
 
     async def _whole(self, batch: Batch, runs: list[AsyncGenerator[Item, None]],
                      answer: Answer) -> tuple[str, web.Response]:

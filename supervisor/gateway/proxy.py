@@ -34,7 +34,7 @@ from engined.supervisor.gateway.openai import ApiError
 from engined.supervisor.gateway.relay import acquire, moved
 from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.ipc import EngineLost
-from engined.supervisor.routing import Lease, LostOn, Router
+from engined.supervisor.routing.routes import Lease, LostOn, Routes
 
 log = logging.getLogger("engined.gateway")
 
@@ -86,7 +86,7 @@ class _Progress:
 
 
 class Proxy:
-    def __init__(self, router: Router, upstream: Upstream, clock: Callable[[], float],
+    def __init__(self, router: Routes, upstream: Upstream, clock: Callable[[], float],
                  on_move: Callable[[str], None] = lambda model: None,
                  on_first: Callable[[str, float], None] = lambda model, s: None) -> None:
         self.router, self.upstream, self.clock, self.on_move = router, upstream, clock, on_move
@@ -125,12 +125,12 @@ class Proxy:
                 lost = f"{type(exc).__name__}: {exc}"
             finally:
                 self.router.release(lease)
-            lost_on.add(lease.incarnation, lost)
+            lost_on.add(lease.target, lost)
             moves = self.count_move(model or path, request, lease, lost, moves, limit, 0)
 
     def count_move(self, model: str, request: web.Request, lease: Lease, lost: str, moves: int,
               limit: int, delivered: int) -> int:
-        moves = moved(request["request_id"], f"{lease.replica.name}: {lost}", moves, limit,
+        moves = moved(request["request_id"], f"{lease.name}: {lost}", moves, limit,
                       delivered)
         self.on_move(model)
         return moves
@@ -139,18 +139,16 @@ class Proxy:
         return await acquire(self.router, group, deadline, avoid)
 
     async def _upstream_name(self, lease: Lease, model: str) -> str:
-        known = self.router.own_name(lease, model)
-        if known is not None:
-            return known
-        inc = lease.incarnation
-        return await self.upstream.model_name(lease.replica.name, inc.address, inc.port or 0)
+        if lease.served_as is not None:
+            return lease.served_as
+        return await self.upstream.model_name(lease.name, lease.address, lease.endpoint[1])
 
     async def _call(self, lease: Lease, method: str, path: str, body: dict[str, Any] | None,
                     name: str | None, deadline: float) -> tuple[int, dict[str, str], bytes]:
         """One whole exchange with the lease's server; EngineLost if its incarnation goes."""
         sent = None if body is None else json.dumps(_renamed(body, name)).encode()
-        async with self.upstream.flight(lease.incarnation.address, lease.replica.name) as lost:
-            call = self.upstream.fetch(self.router.address(lease), method, path, sent)
+        async with self.upstream.flight(lease.address, lease.name) as lost:
+            call = self.upstream.fetch(lease.endpoint, method, path, sent)
             return await _until(call, lost, deadline - self.clock())
 
 
@@ -161,7 +159,7 @@ class _Stream:
                  model: str, group: str, deadline: float, limit: int) -> None:
         self.proxy, self.request, self.path, self.body = proxy, request, path, body
         self.model, self.group, self.deadline, self.limit = model, group, deadline, limit
-        self.vllm = proxy.router.spec_of(group).openai == "vllm"
+        self.vllm = proxy.router.route_of(group).vllm
         self.blocker = continuation_blocker(body, path, self.vllm)
         self.wants_ids = bool(body.get("return_token_ids"))
         self.chat = path == "/v1/chat/completions"
@@ -199,7 +197,7 @@ class _Stream:
                 lost = str(exc)
             finally:
                 self.proxy.router.release(lease)
-            lost_on.add(lease.incarnation, lost)
+            lost_on.add(lease.target, lost)
             if self.progress.sent and self.blocker is not None:
                 return await self._cannot_continue(lease, lost)
             moves = self.proxy.count_move(self.model, self.request, lease, lost, moves, self.limit,
@@ -208,16 +206,16 @@ class _Stream:
     async def _attempt(self, lease: Lease) -> tuple[str, web.StreamResponse] | None:
         """Stream one attempt to the client. The outcome when it ended the request (an answer,
         or an error the client must see); None, or _Lost, when it must move."""
-        proxy, inc = self.proxy, lease.incarnation
+        proxy = self.proxy
         try:
             name = await proxy._upstream_name(lease, self.model)
         except (EngineLost, aiohttp.ClientError, ConnectionError, ValueError) as exc:
             raise _Lost(f"{type(exc).__name__}: {exc}") from None
         path, body = self._request(name)
         upstream = proxy.upstream
-        async with upstream.flight(inc.address, lease.replica.name) as lost:
+        async with upstream.flight(lease.address, lease.name) as lost:
             try:
-                response = await _until(upstream.open(proxy.router.address(lease), path,
+                response = await _until(upstream.open(lease.endpoint, path,
                                                       json.dumps(body).encode()),
                                         lost, self.deadline - proxy.clock())
                 try:
@@ -365,7 +363,7 @@ class _Stream:
         await response.write(data)
 
     async def _cannot_continue(self, lease: Lease, lost: str) -> tuple[str, web.StreamResponse]:
-        error = ApiError(503, f"the request's engine {lease.replica.name} went away mid-stream "
+        error = ApiError(503, f"the request's engine {lease.name} went away mid-stream "
                               f"({lost}) and it cannot continue elsewhere: {self.blocker}",
                          kind="server_error", code="cannot_resume",
                          headers={"Retry-After": "1"})

@@ -28,7 +28,7 @@ from engined.supervisor.ipc import (
     RequestTooLarge,
     new_request_id,
 )
-from engined.supervisor.routing import Lease, LostOn, NoReplica, Router
+from engined.supervisor.routing.routes import Lease, LostOn, NoReplica, Routes
 
 log = logging.getLogger("engined.gateway")
 
@@ -58,7 +58,7 @@ class Done:
 class Relay:
     """engined's own engines' requests (command engines' go through supervisor.gateway.proxy)."""
 
-    def __init__(self, router: Router, channels: EngineChannels, clock: Callable[[], float],
+    def __init__(self, router: Routes, channels: EngineChannels, clock: Callable[[], float],
                  on_move: Callable[[str], None] = lambda model: None) -> None:
         self.router, self.channels, self.clock = router, channels, clock
         self.on_move = on_move
@@ -72,13 +72,11 @@ class Relay:
         moves = 0
         while True:
             lease = await self._acquire(group, deadline, lost_on)
-            replica = lease.replica
-            log.debug("[gateway] %s -> %s incarnation %d", request_id, replica.name,
-                      replica.incarnation)
+            log.debug("[gateway] %s -> %s incarnation %d", request_id, *lease.address)
             try:
                 engine_id = new_request_id()  # a fresh id per attempt: never mixed up
                 try:
-                    stream = self.channels.open(lease.incarnation.address,
+                    stream = self.channels.open(lease.address,
                                                 job.request(engine_id, list(delivered)),
                                                 wake=self.router.peers(lease))
                 except RequestTooLarge as exc:
@@ -110,14 +108,14 @@ class Relay:
                             lost = f"{item.engine}: {item.error}"  # e.g. "engine stopping"
                             break
                         else:
-                            lost = f"{replica.name} ended the stream"
+                            lost = f"{lease.name} ended the stream"
                     except EngineLost as exc:
                         lost = str(exc)
                     finally:
                         stream.close()
             finally:
                 self.router.release(lease)
-            lost_on.add(lease.incarnation, lost)
+            lost_on.add(lease.target, lost)
             if delivered and not job.resumable:
                 raise ApiError(503, f"the request lost its engine after {len(delivered)} "
                                     f"tokens and cannot go on elsewhere (a structured-output "
@@ -132,10 +130,10 @@ class Relay:
         return await acquire(self.router, group, deadline, avoid)
 
 
-async def acquire(router: Router, group: str, deadline: float,
+async def acquire(router: Routes, group: str, deadline: float,
                   avoid: LostOn) -> Lease:
     """A lease on a routable replica of `group` (not one of `avoid` while liveness may still be
-    deciding about it: routing.LostOn); ApiError 503 past the deadline."""
+    deciding about it: routes.LostOn); ApiError 503 past the deadline."""
     try:
         return await router.acquire(group, deadline, avoid)
     except NoReplica as exc:

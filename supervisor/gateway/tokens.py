@@ -20,7 +20,7 @@ from engined.supervisor.ipc import (
     RequestTooLarge,
     new_request_id,
 )
-from engined.supervisor.routing import LostOn, Router
+from engined.supervisor.routing.routes import LostOn, Routes
 
 
 def tokenize_request(body: dict[str, Any]) -> proto.GenerateRequest:
@@ -60,7 +60,7 @@ def answer(request: proto.GenerateRequest, result: proto.GenerateResult) -> dict
             "tokens": result.token_ids, "token_strs": result.token_strs}
 
 
-async def ask(router: Router, channels: EngineChannels, clock: Callable[[], float],
+async def ask(router: Routes, channels: EngineChannels, clock: Callable[[], float],
               group: str, request: proto.GenerateRequest, deadline: float,
               limit: int) -> proto.GenerateResult:
     """One answer from a replica of `group`; a replica lost on the way is replaced by another
@@ -72,7 +72,7 @@ async def ask(router: Router, channels: EngineChannels, clock: Callable[[], floa
         try:
             attempt = proto.GenerateRequest(**{**_fields(request), "id": new_request_id()})
             try:
-                stream = channels.open(lease.incarnation.address, attempt)
+                stream = channels.open(lease.address, attempt)
             except RequestTooLarge as exc:
                 raise ApiError(400, str(exc), code="request_too_large") from None
             except RequestFailed as exc:
@@ -98,7 +98,7 @@ async def ask(router: Router, channels: EngineChannels, clock: Callable[[], floa
                     stream.close()
         finally:
             router.release(lease)
-        lost_on.add(lease.incarnation, lost)
+        lost_on.add(lease.target, lost)
         moves = moved(request.id or request.task, lost, moves, limit, 0)
 
 

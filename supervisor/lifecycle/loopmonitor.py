@@ -13,11 +13,10 @@ froze are still caught one timeout after.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import math
-from dataclasses import dataclass, field
 
+from engined.supervisor.histogram import Histogram
 from engined.supervisor.lifecycle.clock import Clock
 from engined.supervisor.lifecycle.pauses import NO_PAUSES, Pauses
 
@@ -30,29 +29,6 @@ LAG_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                  60.0)
 
 
-@dataclass
-class LagHistogram:
-    """Cumulative-bucket counts for engined_event_loop_lag_seconds."""
-
-    bounds: tuple[float, ...] = LAG_BUCKETS_S
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LAG_BUCKETS_S) + 1))
-    total: float = 0.0
-    n: int = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-        self.n += 1
-
-    def buckets(self) -> list[tuple[str, int]]:
-        """(le, cumulative count) pairs, +Inf last, as Prometheus wants them."""
-        out, running = [], 0
-        for bound, count in zip((*self.bounds, math.inf), self.counts):
-            running += count
-            out.append(("+Inf" if bound == math.inf else f"{bound:g}", running))
-        return out
-
-
 class LoopMonitor:
     def __init__(self, clock: Clock, grace_s: float, stalled_s: float = STALLED_S,
                  tick_s: float = TICK_S) -> None:
@@ -63,7 +39,7 @@ class LoopMonitor:
         self.pauses: Pauses = NO_PAUSES
         self.judge_after = -math.inf
         self.stalled_seconds_total = 0.0
-        self.lag = LagHistogram()
+        self.lag = Histogram(LAG_BUCKETS_S)
         self.last_tick = clock.monotonic()
         self._task: asyncio.Task[None] | None = None
 

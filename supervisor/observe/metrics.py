@@ -19,8 +19,8 @@ from prometheus_client.core import (
 )
 
 from engined.supervisor import __version__
-from engined.supervisor.gateway.app import OUTCOMES as GATEWAY_OUTCOMES
-from engined.supervisor.gateway.app import GatewayStats
+from engined.supervisor.gateway.stats import OUTCOMES as GATEWAY_OUTCOMES
+from engined.supervisor.gateway.stats import GatewayStats
 from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
 from engined.supervisor.lifecycle.policy import Reason
 from engined.supervisor.lifecycle.state import EngineState

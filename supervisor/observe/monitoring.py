@@ -5,7 +5,8 @@ Semantics are for load balancers and Kubernetes probes:
 * /livez: 200 while the event loop is responsive (the loop monitor's ticker is checked, not just
   this handler).
 * /readyz: 200 when every group that should run has at least one READY replica, else 503 (also
-  when nothing should run at all: a fleet stopped on purpose serves nothing).
+  when nothing should run at all: a fleet stopped on purpose serves nothing); a cluster
+  gateway's while one of its nodes takes requests (supervisor.cluster.services).
 An engine stopped on purpose (`enginectl stop`) is not expected to run and never fails a check.
 """
 
@@ -16,25 +17,30 @@ from typing import Any, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engined.supervisor.cluster import Nodes
-from engined.supervisor.gateway.app import Gateway
+from engined.supervisor.gateway.stats import GatewayStats
 from engined.supervisor.ipc import EngineChannels
 from engined.supervisor.lifecycle.fleet import Fleet
 from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
 from engined.supervisor.observe.metrics import FleetCollector, make_registry, render
 from engined.supervisor.observe.sampler import Sampler
 
+Readiness = Callable[[], tuple[int, dict[str, Any]]]
+
 
 class MonitoringEndpoint:
     def __init__(self, fleet: Fleet, channels: EngineChannels, sampler: Sampler,
-                 monitor: LoopMonitor, gateway: Gateway | None = None,
+                 monitor: LoopMonitor, gateway: GatewayStats | None = None,
                  handover: Callable[[], dict[str, Any]] = dict,
                  clients: Callable[[], dict[str, Any]] = dict,
                  replica_ports: Callable[[], dict[int, str]] = dict,
-                 nodes: Nodes | None = None) -> None:
+                 readiness: Readiness | None = None,
+                 nodes: Callable[[], list[tuple[str, bool]]] = list) -> None:
+        """`gateway`: its counts (None: no gateway); `readiness`: /readyz's answer, the fleet's
+        by default; `nodes`: a cluster gateway's, (node, whether it takes requests)."""
         self.fleet, self.channels, self.sampler, self.monitor = fleet, channels, sampler, monitor
         self.gateway, self.handover, self.clients = gateway, handover, clients
         self.replica_ports, self.nodes = replica_ports, nodes
+        self.readiness: Readiness = readiness or (lambda: self.fleet.view().readiness())
         self.collector = FleetCollector()
         self.registry = make_registry(self.collector)
 
@@ -49,15 +55,10 @@ class MonitoringEndpoint:
     async def metrics(self, request: web.Request) -> web.Response:
         views = self.fleet.view().engines
         sample = await self.sampler.sample([v.pid for v in views if v.pid is not None])
-        gateway = self.gateway
         self.collector.update(views, sample, self.channels.dropped, self.monitor,
-                              gateway.stats if gateway else None, self.handover(),
-                              self.clients())
+                              self.gateway, self.handover(), self.clients())
         self.collector.replica_ports = self.replica_ports()
-        if self.nodes is not None:
-            self.collector.nodes = [(n.name, n.routable())
-                                    for n in sorted(self.nodes.nodes.values(),
-                                                    key=lambda n: n.name)]
+        self.collector.nodes = self.nodes()
         body = render(self.registry)  # on the loop: the handles are the loop's, not a thread's
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -66,19 +67,8 @@ class MonitoringEndpoint:
         return web.json_response(body, status=code)
 
     async def readyz(self, request: web.Request) -> web.Response:
-        if self.nodes is not None and not self.fleet.stopping:  # a cluster gateway: ready
-            return self._nodes_ready(self.nodes)  # while a node takes requests
-        code, body = self.fleet.view().readiness()
+        code, body = self.readiness()
         return web.json_response(body, status=code)
-
-    @staticmethod
-    def _nodes_ready(nodes: Nodes) -> web.Response:
-        listed = {n.name: "up" if n.routable() else n.why or "down"
-                  for n in nodes.nodes.values()}
-        up = sum(1 for state in listed.values() if state == "up")
-        return web.json_response({"status": "ready" if up else "not ready", "nodes": listed,
-                                  "unresolved": nodes.resolve_errors},
-                                 status=200 if up else 503)
 
     async def livez(self, request: web.Request) -> web.Response:
         lag = self.monitor.lag_s()

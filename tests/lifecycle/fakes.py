@@ -27,7 +27,7 @@ from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
 from engined.supervisor.lifecycle.notices import Notices
 from engined.supervisor.lifecycle.replica import AddressBook, Replica, ReplicaDeps
 from engined.supervisor.lifecycle.state import EngineState
-from engined.supervisor.routing import Router
+from engined.supervisor.routing.replicas import Router
 from engined.supervisor.spec import EngineSpec, FleetSpec, parse_fleet
 from lifecycle.autojump import VirtualClock, run
 

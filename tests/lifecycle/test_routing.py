@@ -15,7 +15,7 @@ from engined.supervisor.gateway.openai import ApiError, parse_completion
 from engined.supervisor.gateway.relay import Done, Piece, Relay
 from engined.supervisor.ipc import EngineLost, RequestFailed
 from engined.supervisor.lifecycle.state import EngineState as S
-from engined.supervisor.routing import NoReplica
+from engined.supervisor.routing.routes import NoReplica
 from lifecycle.fakes import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, World, scenario
 
 

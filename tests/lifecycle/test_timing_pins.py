@@ -26,7 +26,7 @@ import pytest
 
 from engined.supervisor.lifecycle.state import EngineState as S
 from engined.supervisor.observe.systemd import Notifier
-from engined.supervisor.routing import NoReplica
+from engined.supervisor.routing.routes import NoReplica
 from lifecycle.autojump import run
 from lifecycle.fakes import Behaviour, World, scenario
 

@@ -7,10 +7,11 @@ import asyncio
 
 import pytest
 
-from engined.supervisor.cluster import Load, Node, NodeRouter, Nodes, parse_loads
+from engined.supervisor.cluster.nodes import Load, Node, Nodes, parse_loads
+from engined.supervisor.cluster.router import NodeRouter
 from engined.supervisor.gateway.serverstats import render
 from engined.supervisor.lifecycle.notices import Lost
-from engined.supervisor.routing import LostOn, NoReplica
+from engined.supervisor.routing.routes import LostOn, NoReplica
 from engined.supervisor.spec import SpecError, parse_fleet
 from engined.supervisor.spec.model import UpstreamsSpec
 
@@ -105,15 +106,15 @@ def test_nodes_are_picked_by_room_then_load_and_a_silent_node_is_lost():
         nodes._answered(a, {"llama": Load(running=1, waiting=4, kv_usage=0.2)})
         nodes._answered(b, {"llama": Load(running=1, waiting=0, kv_usage=0.99)})
         assert router.models() == {"llama": "llama"}
-        spec = router.spec_of("llama")
-        assert (spec.is_command, spec.openai, spec.migration_limit) == (True, "vllm", 3)
+        route = router.route_of("llama")  # proxied to vLLM-shaped servers
+        assert (route.proxied, route.vllm, route.migration_limit) == (True, True, 3)
         first = await router.acquire("llama", clock.now + 1)
-        assert first.replica is a  # b's KV cache is full: a, though it has more waiting
-        assert router.address(first) == ("10.0.0.1", 8000)
-        assert router.own_name(first, "llama") == "llama"
+        assert first.name == a.name  # b's KV cache is full: a, though it has more waiting
+        assert first.endpoint == ("10.0.0.1", 8000)
+        assert first.served_as == "llama"
         nodes._answered(b, {"llama": Load(running=0, waiting=0, kv_usage=0.1)})
         second = await router.acquire("llama", clock.now + 1)
-        assert second.replica is b  # 4 waiting + 1 leased on a against none on b
+        assert second.name == b.name  # 4 waiting + 1 leased on a against none on b
         router.release(first)
         router.release(second)
         text = render(router, [("llama", "llama")])
@@ -129,18 +130,18 @@ def test_nodes_are_picked_by_room_then_load_and_a_silent_node_is_lost():
         nodes._silent(a, "TimeoutError", refused=False)
         assert a.life is None and lost == [Lost(("10.0.0.1:8000", 1), "down (TimeoutError)")]
         avoid = LostOn(clock)
-        avoid.add(second.incarnation, "cut")
-        assert second.incarnation in avoid  # not sent back while it may be dead
+        avoid.add(second.target, "cut")
+        assert second.target in avoid  # not sent back while it may be dead
         with pytest.raises(NoReplica):
             await router.acquire("llama", clock.now, avoid)
         clock.now += 10
-        assert second.incarnation not in avoid
+        assert second.target not in avoid
 
         # refused: out of routing at once; an answer brings a node back as a new life
         nodes._silent(b, "ClientConnectorError", refused=True)
         assert router.models() == {}
         nodes._answered(a, {"llama": Load()})
         assert a.life is not None and a.life.address == ("10.0.0.1:8000", 2)
-        assert (await router.acquire("llama", clock.now + 1)).replica is a
+        assert (await router.acquire("llama", clock.now + 1)).name == a.name
 
     asyncio.run(main())

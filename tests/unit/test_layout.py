@@ -1,8 +1,10 @@
 """The code stays easy to change: no module over 700 lines and no class over 300 (engined's two
 packages and the benchmarks; tests excluded), and no import cycle among their modules, counting
-every import (inside functions and under TYPE_CHECKING too). Static checks over the source, read
-in a fresh interpreter: CPython 3.11's ast.parse can fail with "AST constructor recursion depth
-mismatch" in a process that has met a RecursionError before (other tests provoke some)."""
+every import (inside functions and under TYPE_CHECKING too). The layering rules
+(docs/architecture.md) are checked here too: which package may import which, and that only
+`Replica` assigns a replica's fields. Static checks over the source, read in a fresh interpreter:
+CPython 3.11's ast.parse can fail with "AST constructor recursion depth mismatch" in a process
+that has met a RecursionError before (other tests provoke some)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 PACKAGES = {"supervisor": "engined.supervisor", "engine": "engined.engine", "bench": "bench"}
 MAX_MODULE_LINES = 700
 MAX_CLASS_LINES = 300
+MAX_CHAIN = 12  # modules in the longest import chain (23 before wave 4's layering)
 
 
 def modules() -> dict[str, Path]:
@@ -52,17 +55,41 @@ def imports(path: Path, names: set[str]) -> set[str]:
 
 
 def facts() -> dict[str, dict[str, object]]:
-    """Per module: its length, its classes' lengths, the modules of the three it imports."""
+    """Per module: its length, its classes' lengths, the modules of the three it imports, the
+    attributes each class assigns on `self`, and every attribute it assigns on anything else
+    ([line, attribute])."""
     mods = modules()
     names = set(mods)
     out: dict[str, dict[str, object]] = {}
     for name, path in mods.items():
         text = path.read_text()
+        tree = ast.parse(text)
         classes = {node.name: node.end_lineno - node.lineno + 1  # type: ignore[operator]
-                   for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ClassDef)}
+                   for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+        own = {node.name: sorted({t.attr for t in _assigned(node) if _on_self(t)})
+               for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+        others = sorted({(t.lineno, t.attr) for t in _assigned(tree) if not _on_self(t)})
         out[name] = {"lines": len(text.splitlines()), "classes": classes,
-                     "imports": sorted(imports(path, names) - {name})}
+                     "imports": sorted(imports(path, names) - {name}), "self_fields": own,
+                     "other_writes": others}
     return out
+
+
+def _assigned(tree: ast.AST) -> list[ast.Attribute]:
+    """Every attribute `tree` assigns (plain, augmented, annotated, in tuples)."""
+    found: list[ast.Attribute] = []
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for item in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(item, ast.Attribute):
+                    found.append(item)
+    return found
+
+
+def _on_self(target: ast.Attribute) -> bool:
+    return isinstance(target.value, ast.Name) and target.value.id == "self"
 
 
 @functools.cache
@@ -116,3 +143,72 @@ def test_the_checks_see_the_whole_tree() -> None:
     assert {"engined.supervisor.lifecycle.replica",
             "engined.supervisor.lifecycle.incarnation"} <= worker
     assert facts["engined.supervisor.lifecycle.replica"]["classes"]["Replica"] > 100  # type: ignore
+
+
+# --- layering (docs/architecture.md) -----------------------------------------------------------
+S = "engined.supervisor."
+# importer prefix -> what it must never import (prefixes)
+FORBIDDEN = {
+    S + "host": (S + "lifecycle", S + "upgrade", S + "gateway", S + "observe", S + "control",
+                 S + "ctl", S + "daemon", S + "services", S + "routing"),
+    S + "spec": (S + "host", S + "lifecycle", S + "upgrade", S + "gateway", S + "observe",
+                 S + "control", S + "ctl", S + "daemon", S + "services", S + "routing"),
+    S + "lifecycle": (S + "upgrade", S + "gateway", S + "observe", S + "control", S + "ctl",
+                      S + "daemon", S + "services", S + "routing"),
+    S + "observe": (S + "gateway.app",),
+    S + "ctl": (S + "lifecycle", S + "upgrade", S + "gateway", S + "observe", S + "control",
+                S + "daemon", S + "services", S + "routing", S + "host"),
+    "engined.engine": (S.rstrip("."),),
+}
+# the gateway sees routing and the lifecycle's immutable views only
+GATEWAY_MAY_SEE = (S + "lifecycle.view", S + "lifecycle.state", S + "lifecycle.notices")
+
+
+def _edges() -> list[tuple[str, str]]:
+    return [(name, dep) for name, fact in fresh_facts().items()
+            for dep in fact["imports"]]  # type: ignore[attr-defined]
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def test_layers_import_only_downwards() -> None:
+    wrong = [f"{name} imports {dep}" for name, dep in _edges()
+             for importer, banned in FORBIDDEN.items()
+             if _under(name, importer) and any(_under(dep, b) for b in banned)]
+    wrong += [f"{name} imports {dep}: the gateway sees routing and immutable views only"
+              for name, dep in _edges() if _under(name, S + "gateway")
+              and _under(dep, S + "lifecycle") and dep not in GATEWAY_MAY_SEE]
+    assert not wrong, wrong
+
+
+def test_only_replica_assigns_a_replicas_fields() -> None:
+    """The lifecycle has one door: no code but `Replica`'s own methods assigns a field of a
+    replica (a worker, a hand-over, the fleet call its methods). Judged by name: an attribute
+    Replica keeps on `self`, assigned on anything but `self`, anywhere in engined.supervisor
+    outside lifecycle/replica.py."""
+    facts = fresh_facts()
+    fields = set(facts[S + "lifecycle.replica"]["self_fields"]["Replica"])  # type: ignore
+    assert {"state", "current", "incarnation", "spec", "owner"} <= fields, fields
+    wrong = [f"{name}:{line} assigns .{attr}" for name, fact in facts.items()
+             if _under(name, S.rstrip(".")) and name != S + "lifecycle.replica"
+             for line, attr in fact["other_writes"]  # type: ignore[attr-defined]
+             if attr in fields]
+    assert not wrong, wrong
+
+
+def test_the_longest_import_chain() -> None:
+    """Printed (pytest -s shows it), and bounded: a long chain is code that cannot be read or
+    imported alone."""
+    graph = {name: set(fact["imports"]) for name, fact in fresh_facts().items()  # type: ignore
+             if not name.startswith("bench")}
+
+    @functools.cache
+    def longest(name: str) -> tuple[str, ...]:
+        chains = [(name, *longest(dep)) for dep in graph[name] if dep in graph]
+        return max(chains, key=len, default=(name,))
+
+    chain = max((longest(name) for name in graph), key=len)
+    print(f"the longest import chain, {len(chain)} modules: {' -> '.join(chain)}")
+    assert len(chain) <= MAX_CHAIN, chain

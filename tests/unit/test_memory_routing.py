@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from engined.engine import protocol as proto
-from engined.supervisor.routing import memory_pressed
+from engined.supervisor.routing.replicas import memory_pressed
 
 
 def _inc(**beat: object) -> SimpleNamespace:

@@ -1,5 +1,4 @@
-"""A cluster gateway (`upstreams:` instead of `engines:`): engined's gateway in front of the
-engined gateways of other nodes, with no engines of its own and no membership of its own.
+"""A cluster gateway's nodes: membership and probes.
 
 * **Membership** is what names resolve to: each `upstreams.nodes` entry is `HOST:PORT`, and
   every address its host resolves to is a node (a Kubernetes headless Service's A records, a
@@ -12,37 +11,27 @@ engined gateways of other nodes, with no engines of its own and no membership of
   no RST, only silence), and every request on it moves then, as a request on a lost engine
   moves between replicas. A probe refused outright (a closed port) takes it out of routing at
   once. A node that answers again is a new life of it, routed to as any other.
-* **Routing**: among the up nodes serving the model, those with room in their KV cache first,
-  then the fewest waiting requests plus this gateway's own in flight there, round-robin among
-  equals.
-* **Moves**: the node gateways are spoken to as `openai: vllm` servers (gateway.proxy): they
-  return the token ids of the prompt and of each token (`return_token_ids`), so a stream cut
-  mid-way continues on another node from the tokens already delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import socket
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from engined.supervisor.lifecycle.notices import Lost
-from engined.supervisor.routing import Lease, NoReplica, Router
-from engined.supervisor.spec.model import EngineSpec, ModelSpec, UpstreamsSpec
+from engined.supervisor.spec.model import UpstreamsSpec
 
 log = logging.getLogger("engined.cluster")
 
-KV_FULL = 0.95  # a node's KV cache this full is chosen only when every node's is
 _SAMPLE_RE = re.compile(r'^(vllm:[a-z_]+)\{[^}]*model_name="((?:[^"\\]|\\.)*)"[^}]*\}\s+(\S+)',
                         re.M)
-_NODE_MODEL = ModelSpec(source="upstreams", builtin=None, path=None, dtype=None)
 
 
 @dataclass(frozen=True)
@@ -98,7 +87,7 @@ class Node:
 
     @property
     def name(self) -> str:
-        return f"{_url_host(self.host)}:{self.port}"
+        return f"{url_host(self.host)}:{self.port}"
 
     def routable(self) -> bool:
         return self.life is not None and self.listed and not self.refused
@@ -174,6 +163,17 @@ class Nodes:
             if not node.listed and node.life is None:
                 del self.nodes[address]
 
+    def states(self) -> list[tuple[str, bool]]:
+        """(node, whether it takes requests) by name: engined_cluster_node_up."""
+        return [(n.name, n.routable()) for n in sorted(self.nodes.values(), key=lambda n: n.name)]
+
+    def readiness(self) -> tuple[int, dict[str, Any]]:
+        """/readyz: 200 while a node takes requests."""
+        listed = {n.name: "up" if n.routable() else n.why or "down" for n in self.nodes.values()}
+        up = sum(1 for state in listed.values() if state == "up")
+        return (200 if up else 503), {"status": "ready" if up else "not ready", "nodes": listed,
+                                      "unresolved": self.resolve_errors}
+
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
@@ -184,7 +184,7 @@ class Nodes:
         timeout = self.spec.probe_timeout_s
         try:
             session = self.session()
-            async with session.get(f"http://{_url_host(node.host)}:{node.port}/metrics",
+            async with session.get(f"http://{url_host(node.host)}:{node.port}/metrics",
                                    timeout=aiohttp.ClientTimeout(total=timeout)) as response:
                 text = await response.text()
                 if response.status != 200:
@@ -227,82 +227,9 @@ class Nodes:
             self.on_change()
 
 
-def _url_host(host: str) -> str:
+def url_host(host: str) -> str:
+    """A host as a URL names it (an IPv6 address in brackets)."""
     return f"[{host}]" if ":" in host else host
 
 
-class NodeRouter(Router):
-    """The gateway's router over nodes: a model is a group, a node's life an incarnation."""
-
-    def __init__(self, nodes: Nodes, clock: Callable[[], float]) -> None:
-        super().__init__(lambda: (), clock)
-        self.nodes = nodes
-        self._specs: dict[str, EngineSpec] = {}
-
-    def changed(self) -> None:
-        """A node came, went or answered again: waiting requests look again."""
-        self._changed.set()
-
-    def models(self) -> dict[str, str]:
-        return {m: m for node in self.nodes.nodes.values() if node.routable()
-                for m in node.loads}
-
-    def spec_of(self, group: str) -> EngineSpec:
-        up = self.nodes.spec
-        spec = self._specs.get(group)
-        if spec is None or (spec.queue_limit, spec.request_timeout_s, spec.migration_limit) != (
-                up.queue_limit, up.request_timeout_s, up.migration_limit):
-            spec = self._specs[group] = EngineSpec(
-                name=group, group=group, rank=0, replicas=1, model=_NODE_MODEL,
-                command=("upstreams",), openai="vllm", queue_limit=up.queue_limit,
-                request_timeout_s=up.request_timeout_s, migration_limit=up.migration_limit)
-        return spec
-
-    def address(self, lease: Lease) -> tuple[str, int]:
-        life: Any = lease.incarnation  # a Life: the proxy reads only its address and port
-        return _url_host(life.host), life.port
-
-    def stats_of(self, group: str) -> tuple[int, int, float] | None:
-        """Summed over the up nodes (KV usage: their mean), plus what waits here for one."""
-        loads = [n.loads[group] for n in self.nodes.nodes.values()
-                 if n.routable() and group in n.loads]
-        waiting = sum(x.waiting for x in loads) + max(0, self.queued[group] - sum(
-            self._load[n.life] for n in self.nodes.nodes.values() if n.life is not None))
-        usage = sum(x.kv_usage for x in loads) / len(loads) if loads else 0.0
-        return sum(x.running for x in loads), waiting, usage
-
-    def own_name(self, lease: Lease, model: str) -> str | None:
-        return model  # a node gateway serves the model by the name its clients use
-
-    def pick_node(self, group: str, avoid: Container[object]) -> Lease | None:
-        candidates = [(node, node.life) for node in self.nodes.nodes.values()
-                      if node.routable() and group in node.loads and node.life not in avoid]
-        if not candidates:
-            return None
-
-        def key(pair: tuple[Node, Life | None]) -> tuple[bool, int]:
-            node, life = pair
-            load = node.loads[group]
-            return load.kv_usage >= KV_FULL, load.waiting + self._load[life]
-
-        least = min(key(pair) for pair in candidates)
-        ties = [pair for pair in candidates if key(pair) == least]
-        node, life = ties[next(self._turn) % len(ties)]
-        self._load[life] += 1
-        return Lease(node, life)  # type: ignore[arg-type]
-
-    async def acquire(self, group: str, deadline: float,
-                      avoid: Container[object] = ()) -> Lease:
-        while True:
-            lease = self.pick_node(group, avoid)
-            if lease is not None:
-                return lease
-            left = deadline - self.clock()
-            if left <= 0:
-                raise NoReplica(f"no node serving '{group}' could take the request in time")
-            self._changed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), min(left, 0.5))
-
-
-__all__ = ["Life", "Load", "Node", "NodeRouter", "Nodes", "parse_loads"]
+__all__ = ["Life", "Load", "Node", "Nodes", "parse_loads", "url_host"]
