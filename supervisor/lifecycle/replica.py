@@ -422,17 +422,16 @@ class Replica(Slot):
     def restore(self, incarnation: int, desired: Desired, state: EngineState,
                 fail_reason: str = "", spawn_due: float | None = None,
                 reason: Reason | None = None, restart_at: float | None = None) -> None:
-        """The replica as the engined it replaces (or that crashed) left it: set, not entered,
-        so nothing is published as a state change and no transition is checked. A spawn due
-        (a backoff, shown as `restart_at` when it waits) is scheduled for its worker."""
+        """As the engined it replaces (or that crashed) left it: set, not entered (no state
+        change published, no transition checked); a spawn due is scheduled for its worker."""
         self.incarnation, self.desired, self.state = incarnation, desired, state
         self.fail_reason, self.restart_at = fail_reason, restart_at
         if spawn_due is not None:
             self.intent.spawn_due, self.intent.reason = spawn_due, reason
 
     def adopt(self, inc: Incarnation) -> None:
-        """A live process of its own, handed over or left by a crashed engined: STARTING until
-        it is reachable (`reattached`) or, if it was still loading, until its READY."""
+        """A live process of its own (handed over, or a crashed engined's): STARTING until
+        reachable (`reattached`) or, if it was still loading, its READY."""
         self.current = inc
         self.bind(inc.address)
         self.state = EngineState.STARTING

@@ -18,6 +18,7 @@ import dataclasses
 import os
 import shutil
 
+from engined.supervisor.spec.autogpus import GpuLookup, no_gpus
 from engined.supervisor.spec.checks import (
     BUILTIN_MODELS,
     ENGINE_ENV,
@@ -42,7 +43,7 @@ from engined.supervisor.spec.model import (
     StartLimitSpec,
     SupervisorSpec,
 )
-from engined.supervisor.spec.resolve import GpuLookup, _resolve, no_gpus
+from engined.supervisor.spec.resolve import _resolve
 from engined.supervisor.spec.source import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES, _compose, _decode
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engined.supervisor.spec.autogpus import AutoGpus, GpuLookup, no_gpus
 from engined.supervisor.spec.checks import (
     _BAD,
-    AUTO_GPUS,
     _any_bad,
     _fmt_duration,
     _Located,
@@ -51,16 +51,6 @@ _BUILTIN_SETTINGS: dict[str, _Located] = {
     key.name: (key.default, None) for key in (*SETTING_KEYS, *COMMAND_KEYS)
     if key.default is not REQUIRED
 }
-
-
-# The GPUs `gpus: auto` may take, and where they were read: (indices, source)
-GpuLookup = Callable[[], tuple[tuple[int, ...], str]]
-
-
-def no_gpus() -> tuple[tuple[int, ...], str]:
-    """The lookup of a spec resolved without a host (a text, a test): `gpus: auto` engines are
-    resolved as CPU engines, gpus_per_replica or not (the daemon and --check read the host)."""
-    return (), "no host given"
 
 
 def _resolve(root: Any, lines: Mapping[str, int], source: str,
@@ -237,7 +227,7 @@ def _engines(
         got = "it is missing" if "engines" not in top else f"got {_describe(raw)}"
         problems.add("engines", f"must be a non-empty list of engines; {got}")
         return ()
-    auto = _AutoGpus(raw, gpus or no_gpus)
+    auto = AutoGpus(raw, gpus or no_gpus)
     groups = [_group(problems, item, i, defaults, auto) for i, item in enumerate(raw)]
     valid = [g for g in groups if g is not None]
     _check_names(problems, valid)
@@ -250,52 +240,9 @@ def _engines(
     return tuple(replica for g in valid for replica in _expand(g))
 
 
-class _AutoGpus:
-    """`gpus: auto`: each such engine, in spec order, takes the GPUs visible to engined that no
-    engine lists and no earlier `auto` engine took: gpus_per_replica of them per replica (and
-    standby), or, with gpus_per_replica 0, an equal share of them. None visible: the CPU.
-    The visible GPUs come from `lookup`, which the caller brings (the daemon reads its host's
-    once, at start): resolving a spec never reads the host itself."""
-
-    def __init__(self, raw: list[Any], lookup: GpuLookup) -> None:
-        self.lookup = lookup
-        self.taken = {gpu for item in raw if isinstance(item, dict)
-                      and isinstance(item.get("gpus"), list)
-                      for gpu in item["gpus"] if isinstance(gpu, int)}
-        self._visible: tuple[tuple[int, ...], str] | None = None
-
-    def allot(self, problems: _Problems, s: dict[str, _Located], replicas: int,
-              path: str) -> None:
-        (gpus, gpus_at), (per, per_at) = s["gpus"], s["gpus_per_replica"]
-        if gpus != AUTO_GPUS or _any_bad(per, s["standby"][0]):
-            return
-        if self.lookup is no_gpus:  # no host to read: what runs here is decided where it runs
-            s["gpus"], s["gpus_per_replica"] = ((), gpus_at), (0, per_at)
-            return
-        if self._visible is None:
-            self._visible = self.lookup()
-        visible, source = self._visible
-        free = [g for g in visible if g not in self.taken]
-        count = replicas + s["standby"][0]
-        if not visible and per == 0:
-            s["gpus"] = ((), gpus_at)  # no GPU here: the engines run on the CPU
-            return
-        per = per or len(free) // count
-        if per == 0 or len(free) < count * per:
-            problems.add(gpus_at or f"{path}.gpus",
-                         f"gpus: auto found {len(free)} free GPU(s) of {len(visible)} visible "
-                         f"(from {source}), but {count} replica(s) x gpus_per_replica "
-                         f"({per or 1}) need {count * (per or 1)}")
-            s["gpus"] = (_BAD, gpus_at)
-            return
-        chosen = tuple(free[:count * per])
-        self.taken.update(chosen)
-        s["gpus"], s["gpus_per_replica"] = (chosen, gpus_at), (per, per_at)
-
-
 def _group(
     problems: _Problems, raw: Any, index: int, defaults: dict[str, _Located],
-    auto: _AutoGpus | None = None
+    auto: AutoGpus | None = None
 ) -> _Group | None:
     path = f"engines[{index}]"
     section = _mapping(problems, raw, path)
