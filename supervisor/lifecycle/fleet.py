@@ -13,10 +13,9 @@ from typing import Callable
 from engined.engine import protocol as proto
 from engined.supervisor.lifecycle.clock import Clock
 from engined.supervisor.lifecycle.groups import Gang, Group, ReplicaGroup
-from engined.supervisor.lifecycle.policy import Reason
 from engined.supervisor.lifecycle.replica import AddressBook, Owner, Replica
 from engined.supervisor.lifecycle.rollout import Drains, Rollout
-from engined.supervisor.lifecycle.state import EngineState
+from engined.supervisor.lifecycle.state import EngineState, Reason
 from engined.supervisor.lifecycle.view import FleetView
 from engined.supervisor.lifecycle.worker import supervise
 from engined.supervisor.spec.model import EngineSpec, FleetSpec

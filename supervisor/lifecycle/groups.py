@@ -27,11 +27,11 @@ from engined.supervisor.lifecycle.policy import (
     Decision,
     ExitStatus,
     FailureHistory,
-    Reason,
     decide,
     decide_spawn_failure,
 )
 from engined.supervisor.lifecycle.replica import Replica
+from engined.supervisor.lifecycle.state import Reason
 
 log = logging.getLogger("engined.group")
 

@@ -17,7 +17,8 @@ from engined.supervisor.host.exits import ExitRecord, ExitStatus
 from engined.supervisor.host.oom import OomWitness
 from engined.supervisor.lifecycle.clock import Clock
 from engined.supervisor.lifecycle.incarnation import Incarnation
-from engined.supervisor.lifecycle.policy import Reason, exit_reason
+from engined.supervisor.lifecycle.policy import exit_reason
+from engined.supervisor.lifecycle.state import Reason
 from engined.supervisor.lifecycle.view import LastExit
 from engined.supervisor.logs import LogSink
 

@@ -12,19 +12,61 @@ pid; trio's `Process`).
 
 from __future__ import annotations
 
+import enum
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from engined.engine import protocol as proto
 from engined.supervisor.host.launcher import Child
-from engined.supervisor.lifecycle.liveness import Kind
-from engined.supervisor.lifecycle.liveness import Liveness as LivenessStrategy
 from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
 from engined.supervisor.lifecycle.policy import Liveness, reached
+from engined.supervisor.lifecycle.state import Reason
 from engined.supervisor.logs import PipeReader
 from engined.supervisor.spec.model import EngineSpec
 
 KILL_WAIT_S = 5.0  # after SIGKILL a process is normally reaped in milliseconds
+Deliver = Callable[[proto.ChildMessage], object]
+
+
+class Kind(enum.Enum):
+    """What runs in the process: which transport reaches it and who speaks for its liveness."""
+
+    ENGINE = "engine"  # engined's engine child: ZeroMQ, heartbeats
+    COMMAND = "command"  # a server of its own (`command:`): HTTP, probes
+
+
+class LivenessStrategy(Protocol):
+    """How the incarnation is judged alive (supervisor.lifecycle.liveness: chosen at spawn,
+    by what the engine is)."""
+
+    kind: Kind
+
+    @property
+    def heartbeat_timeout_s(self) -> float: ...
+
+    @property
+    def stale_after_s(self) -> float:
+        """A last sign of life older than this takes a READY replica out of routing (long before
+        it is declared hung: a frozen engine stops getting requests at once)."""
+
+    @property
+    def verdict(self) -> str | None:
+        """Set when an outside judge (failed probes) declared the incarnation hung."""
+
+    @property
+    def verdict_reason(self) -> Reason:
+        """What the verdict's kill counts as: hang (probes), canary (an idle canary request)."""
+
+    def begin(self, address: tuple[str, int], port: int | None, deliver: Deliver,
+              wake: Callable[[], None]) -> None:
+        """The incarnation's process exists: start watching it from outside, if that is how."""
+
+    def end(self) -> None: ...
+
+    def missing(self, reason: Reason, cleaning_up: bool) -> str:
+        """What the incarnation failed to show, for the kill's log line ("no heartbeat")."""
 
 
 @dataclass

@@ -10,62 +10,24 @@
   (systemd's Type=simple).
 
 Each strategy owns what differs between the two, so the lifecycle code (supervisor.replica) asks
-and never branches on the kind: the heartbeat timeout, when routing stops trusting a replica's
+and never branches on the kind (their interface, `LivenessStrategy`, is the incarnation's:
+supervisor.lifecycle.incarnation): the heartbeat timeout, when routing stops trusting a replica's
 last sign of life (`stale_after_s`), an external verdict, and how a kill is worded in the log.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import math
 from collections.abc import Callable
-from typing import Protocol
 
 from engined.engine import protocol as proto
 from engined.supervisor.lifecycle.clock import Clock
+from engined.supervisor.lifecycle.incarnation import Deliver, Kind
 from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
-from engined.supervisor.lifecycle.policy import Reason
 from engined.supervisor.lifecycle.probe import ProbeClient, Prober
+from engined.supervisor.lifecycle.state import Reason
 from engined.supervisor.spec.model import EngineSpec
-
-Deliver = Callable[[proto.ChildMessage], object]
-
-
-class Kind(enum.Enum):
-    """What runs in the process: which transport reaches it and who speaks for its liveness."""
-
-    ENGINE = "engine"  # engined's engine child: ZeroMQ, heartbeats
-    COMMAND = "command"  # a server of its own (`command:`): HTTP, probes
-
-
-class Liveness(Protocol):
-    kind: Kind
-
-    @property
-    def heartbeat_timeout_s(self) -> float: ...
-
-    @property
-    def stale_after_s(self) -> float:
-        """A last sign of life older than this takes a READY replica out of routing (long before
-        it is declared hung: a frozen engine stops getting requests at once)."""
-
-    @property
-    def verdict(self) -> str | None:
-        """Set when an outside judge (failed probes) declared the incarnation hung."""
-
-    @property
-    def verdict_reason(self) -> Reason:
-        """What the verdict's kill counts as: hang (probes), canary (an idle canary request)."""
-
-    def begin(self, address: tuple[str, int], port: int | None, deliver: Deliver,
-              wake: Callable[[], None]) -> None:
-        """The incarnation's process exists: start watching it from outside, if that is how."""
-
-    def end(self) -> None: ...
-
-    def missing(self, reason: Reason, cleaning_up: bool) -> str:
-        """What the incarnation failed to show, for the kill's log line ("no heartbeat")."""
 
 
 class HeartbeatLiveness:

@@ -15,23 +15,8 @@ from dataclasses import dataclass, field
 from engined.engine.contract import EXIT_CONFIG
 from engined.supervisor.host.exits import ExitStatus
 from engined.supervisor.lifecycle.pauses import NO_PAUSES, Pauses
+from engined.supervisor.lifecycle.state import Reason
 from engined.supervisor.spec.model import BackoffSpec, StartLimitSpec
-
-
-class Reason(enum.Enum):
-    """Why an engine (re)started or went down; used in metrics, status and logs."""
-
-    EXIT = "exit"
-    SIGNAL = "signal"
-    HANG = "hang"
-    STALL = "stall"
-    MEMORY = "memory"  # held more than its memory_limit (engine.memory)
-    CANARY = "canary"  # did not answer a one-token request sent while idle (probe.Prober)
-    STARTUP_TIMEOUT = "startup_timeout"
-    GROUP = "group"
-    MANUAL = "manual"
-    RELOAD = "reload"
-    SPAWN_ERROR = "spawn_error"  # the child could not be started at all
 
 
 def exit_reason(status: ExitStatus, killed_for: Reason | None = None) -> Reason:

@@ -40,7 +40,7 @@ import aiohttp
 from engined.engine import protocol as proto
 from engined.supervisor.lifecycle.clock import Clock
 from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
-from engined.supervisor.lifecycle.policy import Reason
+from engined.supervisor.lifecycle.state import Reason
 from engined.supervisor.spec.model import EngineSpec
 
 log = logging.getLogger("engined.probe")

@@ -33,13 +33,13 @@ from engined.supervisor.host.reaper import Reaper
 from engined.supervisor.lifecycle import messages
 from engined.supervisor.lifecycle.clock import Clock, to_wall
 from engined.supervisor.lifecycle.history import Down, History, SpawnFailure
-from engined.supervisor.lifecycle.incarnation import Incarnation
-from engined.supervisor.lifecycle.liveness import HeartbeatLiveness, Liveness, ProbeLiveness
+from engined.supervisor.lifecycle.incarnation import Incarnation, LivenessStrategy
+from engined.supervisor.lifecycle.liveness import HeartbeatLiveness, ProbeLiveness
 from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
 from engined.supervisor.lifecycle.notices import Notices, StateChange
-from engined.supervisor.lifecycle.policy import Action, Decision, FailureHistory, Reason
+from engined.supervisor.lifecycle.policy import Action, Decision, FailureHistory
 from engined.supervisor.lifecycle.probe import ProbeClient
-from engined.supervisor.lifecycle.state import EngineState, check_transition
+from engined.supervisor.lifecycle.state import EngineState, Reason, check_transition
 from engined.supervisor.lifecycle.view import EngineView
 from engined.supervisor.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, LogSink, StdoutLines
 from engined.supervisor.spec.model import EngineSpec
@@ -136,7 +136,7 @@ class ReplicaDeps:
     counted: Callable[[], None] = lambda: None  # a request counted (the state snapshot is due)
 
     def liveness_for(self, spec: EngineSpec, incarnation: Callable[[], Incarnation]
-                     ) -> Liveness:
+                     ) -> LivenessStrategy:
         """The one place that tells an engine child from a server of its own."""
         if spec.is_command:
             return ProbeLiveness(spec, self.probes, self.clock, self.monitor,

@@ -17,9 +17,8 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from engined.supervisor.lifecycle.policy import Reason
 from engined.supervisor.lifecycle.replica import Replica
-from engined.supervisor.lifecycle.state import EngineState
+from engined.supervisor.lifecycle.state import EngineState, Reason
 from engined.supervisor.lifecycle.view import EngineView
 
 log = logging.getLogger("engined.rollout")

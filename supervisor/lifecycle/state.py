@@ -1,4 +1,5 @@
-"""Engine lifecycle states and the only transitions allowed between them."""
+"""Engine lifecycle states, the only transitions allowed between them, and the reasons an engine
+(re)starts or goes down."""
 
 from __future__ import annotations
 
@@ -12,6 +13,22 @@ class EngineState(enum.Enum):
     STOPPING = "STOPPING"
     BACKOFF = "BACKOFF"
     FAILED = "FAILED"
+
+
+class Reason(enum.Enum):
+    """Why an engine (re)started or went down; used in metrics, status and logs."""
+
+    EXIT = "exit"
+    SIGNAL = "signal"
+    HANG = "hang"
+    STALL = "stall"
+    MEMORY = "memory"  # held more than its memory_limit (engine.memory)
+    CANARY = "canary"  # did not answer a one-token request sent while idle (probe.Prober)
+    STARTUP_TIMEOUT = "startup_timeout"
+    GROUP = "group"
+    MANUAL = "manual"
+    RELOAD = "reload"
+    SPAWN_ERROR = "spawn_error"  # the child could not be started at all
 
 
 class IllegalTransition(RuntimeError):

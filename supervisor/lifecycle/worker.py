@@ -20,9 +20,9 @@ from engined.supervisor.host.gpus import wait_gpu_released
 from engined.supervisor.host.launcher import Child, owner_token
 from engined.supervisor.lifecycle.incarnation import Incarnation
 from engined.supervisor.lifecycle.notices import Lost
-from engined.supervisor.lifecycle.policy import Reason, check_liveness, reached
+from engined.supervisor.lifecycle.policy import check_liveness, reached
 from engined.supervisor.lifecycle.replica import Command, Replica
-from engined.supervisor.lifecycle.state import EngineState
+from engined.supervisor.lifecycle.state import EngineState, Reason
 from engined.supervisor.logs import PipeReader
 
 log = logging.getLogger("engined.engine")

@@ -22,8 +22,7 @@ from engined.supervisor import __version__
 from engined.supervisor.gateway.stats import OUTCOMES as GATEWAY_OUTCOMES
 from engined.supervisor.gateway.stats import GatewayStats
 from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
-from engined.supervisor.lifecycle.policy import Reason
-from engined.supervisor.lifecycle.state import EngineState
+from engined.supervisor.lifecycle.state import EngineState, Reason
 from engined.supervisor.lifecycle.view import EngineView
 from engined.supervisor.observe.sampler import Sample
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from engined.supervisor.spec import EngineSpec, FleetSpec, SupervisorSpec
+from engined.supervisor.spec.model import EngineSpec, FleetSpec, SupervisorSpec
 
 
 class ReloadRejected(Exception):

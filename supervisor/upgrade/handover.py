@@ -40,9 +40,9 @@ from engined.supervisor.host.guard import close_fds, pidfd_exited
 from engined.supervisor.host.launcher import Child
 from engined.supervisor.host.reaper import descendants
 from engined.supervisor.lifecycle.incarnation import Incarnation
-from engined.supervisor.lifecycle.policy import FailureHistory, Reason
+from engined.supervisor.lifecycle.policy import FailureHistory
 from engined.supervisor.lifecycle.replica import Desired, Replica
-from engined.supervisor.lifecycle.state import EngineState
+from engined.supervisor.lifecycle.state import EngineState, Reason
 from engined.supervisor.lifecycle.view import LastExit
 from engined.supervisor.logs import PipeReader
 from engined.supervisor.upgrade import snapshot

@@ -18,9 +18,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 # source folder -> the dotted name its modules import as
 PACKAGES = {"supervisor": "engined.supervisor", "engine": "engined.engine", "bench": "bench"}
-MAX_MODULE_LINES = 700
-MAX_CLASS_LINES = 300
-MAX_CHAIN = 12  # modules in the longest import chain (23 before wave 4's layering)
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 250
+MAX_CHAIN = 13  # modules in the longest import chain (21 at 28027b8, before wave 4's layering)
 
 
 def modules() -> dict[str, Path]:

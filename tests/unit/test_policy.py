@@ -11,13 +11,17 @@ from engined.supervisor.lifecycle.policy import (
     ExitStatus,
     FailureHistory,
     Liveness,
-    Reason,
     backoff_delay,
     check_liveness,
     decide,
     exit_reason,
 )
-from engined.supervisor.lifecycle.state import EngineState, IllegalTransition, check_transition
+from engined.supervisor.lifecycle.state import (
+    EngineState,
+    IllegalTransition,
+    Reason,
+    check_transition,
+)
 from engined.supervisor.spec import BackoffSpec, StartLimitSpec
 
 BACKOFF = BackoffSpec(initial_s=1.0, max_s=30.0, factor=2.0, jitter=0.1, reset_after_s=60.0)
