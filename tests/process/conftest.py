@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from enginechild import Channels
+
+from testkit.enginechild import Channels
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from enginechild import LOAD_TIMEOUT_S, Channels, exit_of, spawn_engine
 
 from engined.engine import contract
 from engined.engine import protocol as proto
+from testkit.enginechild import LOAD_TIMEOUT_S, Channels, exit_of, spawn_engine
 
 
 def test_handshake_serving_and_sigterm_cleanup(channels: Channels, tiny_cache: Path, children):

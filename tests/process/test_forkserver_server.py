@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from enginechild import REPO_ROOT, _env
 
 from engined.engine import contract
 from engined.engine.forkserver import CHANNEL_FD, device_fds, tasks, unsafe
+from testkit.enginechild import REPO_ROOT, _env
 
 TIMEOUT_S = 60.0
 

@@ -14,10 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from enginechild import REPO_ROOT, Channels, _env, exit_of
-
 from engined.engine import contract
 from engined.engine import protocol as proto
+from testkit.enginechild import REPO_ROOT, Channels, _env, exit_of
 
 MiB = 1 << 20
 LIMIT = 512 * MiB  # far over an echo engine's need: room for a 64 MiB arena after the limit

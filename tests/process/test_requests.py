@@ -9,50 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from enginechild import LOAD_TIMEOUT_S, Channels, spawn_engine
 
 from engined.engine import protocol as proto
-
-
-class Engine:
-    """One child and its sockets: send requests, collect what comes back per request id."""
-
-    def __init__(self, channels: Channels, identity: bytes) -> None:
-        self.channels, self.identity = channels, identity
-        self.events: dict[str, list[tuple[float, Any]]] = {}
-
-    def send(self, msg: proto.GenerateRequest | proto.Abort) -> None:
-        self.channels.requests.send_multipart([self.identity, proto.encode(msg)])
-
-    def pump(self, timeout_s: float) -> bool:
-        """Read one message (False if none came within the timeout)."""
-        if not self.channels.requests.poll(int(timeout_s * 1000)):
-            return False
-        _, frame = self.channels.requests.recv_multipart()
-        for msg in proto.messages_of(proto.decode_request(frame)):
-            self.events.setdefault(msg.id, []).append((time.monotonic(), msg))
-        return True
-
-    def result(self, request_id: str, timeout_s: float = 60.0) -> proto.GenerateResult:
-        deadline = time.monotonic() + timeout_s
-        while not self._final(request_id):
-            assert time.monotonic() < deadline, f"no result for {request_id}"
-            self.pump(max(0.01, deadline - time.monotonic()))
-        return self._final(request_id)  # type: ignore[return-value]
-
-    def _final(self, request_id: str) -> proto.GenerateResult | None:
-        for _, msg in self.events.get(request_id, []):
-            if isinstance(msg, proto.GenerateResult):
-                return msg
-        return None
-
-    def chunks(self, request_id: str) -> list[tuple[float, proto.TokenChunk]]:
-        return [(t, m) for t, m in self.events.get(request_id, [])
-                if isinstance(m, proto.TokenChunk)]
-
-    def text(self, request_id: str) -> str:
-        """Everything delivered for a streamed request: the chunks, then the result's rest."""
-        return "".join(c.text for _, c in self.chunks(request_id)) + self.result(request_id).text
+from testkit.enginechild import LOAD_TIMEOUT_S, Channels, Engine, spawn_engine
 
 
 def _start(channels: Channels, cache: Path, children: list, model: str,
