@@ -32,6 +32,11 @@ class RequestRejected(Exception):
     """This request is invalid for this engine (too long, a bad token id): the client's error."""
 
 
+def no_adapters(kind: str) -> str:
+    """What a backend without LoRA adapters says (engine.adapters has the rest of them)."""
+    return f"LoRA adapters need backend: vllm (this engine runs {kind})"
+
+
 def refuse_structured(sampling: Sampling, backend: str) -> None:
     """What only vLLM's structured-output backend does: RequestRejected naming the field."""
     for name in ("response_format", "structured_outputs"):
@@ -53,6 +58,7 @@ class Admission:
     resumed: int = 0  # how many of prompt_ids are resumed output (the last ones)
     chat: Any = None  # a chat read by the engine's own frontend (engine.vllm_chat.Chat)
     prompt_text: str = ""  # the request's prompt as text, where it came as text
+    adapter: str | None = None  # the loaded LoRA adapter it generates with (engine.adapters)
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,7 @@ class Backend(Protocol):
 
     device: str
     dtype: str
+    kind: str  # what it is, in messages: "builtin:echo", "transformers", "vllm"
     # Work arriving on an idle engine waits a moment for the rest of its burst (the core's
     # batching window): transformers, whose batch cannot grow; vLLM, where a burst split over
     # two steps costs a whole extra step (the late ones' prefill, then one more decode step for
@@ -173,6 +180,25 @@ class Backend(Protocol):
     def open_chat(self, body: dict[str, Any]) -> Any:
         """A chat read by the engine's own frontend (engine.vllm_chat.Chat): vLLM's only."""
         raise RequestRejected("this engine reads chats itself only with backend: vllm")
+
+    # LoRA adapters (engine.adapters): vLLM's, and builtin:echo's for the supervisor's tests
+    def adapters(self) -> list[str]:
+        """The names of the adapters loaded now (READY lists them)."""
+        return []
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load adapter `name` from directory `path` (done already from there: nothing to do).
+        RequestRejected naming the adapter and why it cannot."""
+        raise RequestRejected(no_adapters(self.kind))
+
+    def unload_adapter(self, name: str) -> None:
+        """Requests that name it are refused from now on. RequestRejected if it is not
+        loaded."""
+        raise RequestRejected(no_adapters(self.kind))
+
+    def check_adapter(self, name: str) -> None:
+        """A request may generate with adapter `name`: RequestRejected naming it otherwise."""
+        raise RequestRejected(no_adapters(self.kind))
 
 
 def first_position(token: int, text: str) -> Position:

@@ -128,7 +128,8 @@ class EngineCoreProc:
         # READY goes where requests flow: when the daemon reads it, it can route to us.
         self.channels.send_now(proto.Ready(
             cfg.name, cfg.incarnation, load_s, self.model.device, cfg.model, self.model.dtype,
-            self.model.gpu_memory(), self.memory_plan, self.model.cache_info))
+            self.model.gpu_memory(), self.memory_plan, self.model.cache_info,
+            self.model.adapters()))
         print(f"[ready] {cfg.name} incarnation {cfg.incarnation} loaded in {load_s:.3f}s "
               f"on {self.model.device}", file=sys.stderr, flush=True)
         self._heartbeat.begin()

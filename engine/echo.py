@@ -16,6 +16,14 @@ for tests and chaos runs come from the child's environment (set through the spec
   (as vLLM's FileStore stays there after a kill)
 * prompts `!stall`, `!raise`, `!grow` and `!wedge` inject faults (engine.faults wraps every
   echo engine's backend); for other models set ENGINED_FAULT_INJECTION=1 to enable them.
+
+LoRA adapters, cheaply, so that the supervisor's adapter routing and replay can be tested without
+vLLM: echo "loads" an adapter (EngineConfig.adapters, the load_adapter task) when its path is a
+LoRA adapter directory (engine.adapters' checks: absolute, a directory, an adapter_config.json
+of a LoRA with a rank; the same words as a vLLM engine's for one that is not) and reads nothing
+else. A request with adapter NAME echoes "[NAME] " followed by the prompt: the prefix is output
+like the rest (tokens, max_tokens and resume count it), so a test can tell which adapter
+answered, and a resumed request continues it exactly.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Callable
 
+from engined.engine.adapters import Adapters
 from engined.engine.backend import (
     Admission,
     Backend,
@@ -45,13 +54,16 @@ if TYPE_CHECKING:
 
 MAX_ECHO_PROMPT = 1 << 20
 
+
 class _Echo:
-    def __init__(self, request: Admission, source: list[int], start: int) -> None:
+    def __init__(self, request: Admission, prompt: list[int], output: list[int],
+                 start: int) -> None:
         self.id = request.id
-        self.source = source  # the prompt's ids (without the resumed ones)
+        self.prompt = prompt  # the prompt's ids (without the resumed ones)
+        self.source = output  # what it echoes: the prompt, after its adapter's "[name] "
         self.position = start  # next character to emit
-        self.end = min(len(source), start + request.max_tokens)
-        self.reason = "stop" if self.end == len(source) else "length"
+        self.end = min(len(output), start + request.max_tokens)
+        self.reason = "stop" if self.end == len(output) else "length"
         self.logprobs = request.sampling.logprobs
         self.prompt_logprobs = request.sampling.prompt_logprobs
 
@@ -67,12 +79,14 @@ def echo_position(token: int, top: int) -> Position:
 class EchoBackend(Backend):
     device = "cpu"
     dtype = "none"
+    kind = "builtin:echo"
 
     burst_window = False  # a step costs nothing: waiting for a burst would only add latency
 
     def __init__(self, token_s: float) -> None:
         self.token_s = token_s
         self.running: dict[str, _Echo] = {}
+        self.loras = Adapters()
 
     @classmethod
     def build(cls, progress: ProgressFn) -> EchoBackend:
@@ -117,17 +131,35 @@ class EchoBackend(Backend):
         if any(not 0 <= i < 0x110000 for i in request.prompt_ids):
             raise RequestRejected("token ids of builtin:echo are unicode code points")
         resumed = request.resumed
-        source = request.prompt_ids[:len(request.prompt_ids) - resumed] if resumed else \
+        prompt = request.prompt_ids[:len(request.prompt_ids) - resumed] if resumed else \
             request.prompt_ids
-        self.running[request.id] = _Echo(request, source, resumed)
+        output = prompt
+        if request.adapter is not None:
+            output = self.tokenize(f"[{self.loras.get(request.adapter).name}] ") + prompt
+        self.running[request.id] = _Echo(request, prompt, output, resumed)
+
+    # --- adapters: names only (module docstring) ----------------------------------------------
+    def adapters(self) -> list[str]:
+        return self.loras.names()
+
+    def load_adapter(self, name: str, path: str) -> None:
+        adapter = self.loras.prepare(name, path)
+        if adapter is not None:
+            self.loras.add(adapter)
+
+    def unload_adapter(self, name: str) -> None:
+        self.loras.remove(name)
+
+    def check_adapter(self, name: str) -> None:
+        self.loras.get(name)
 
     def _prompt_logprobs(self, echo: _Echo, emit: Emit) -> None:
         top = echo.prompt_logprobs
         if top is not None:
             echo.prompt_logprobs = None
-            first = echo.source[0]
+            first = echo.prompt[0]
             emit(PromptLogprobs(echo.id, [first_position(first, chr(first))] + [
-                echo_position(t, top) for t in echo.source[1:]]))
+                echo_position(t, top) for t in echo.prompt[1:]]))
 
     def abort(self, request_id: str) -> None:
         self.running.pop(request_id, None)

@@ -57,7 +57,7 @@ class FaultyBackend(Backend):
     def __init__(self, inner: Backend, memory_limit: int | None,
                  stopping: Callable[[], bool]) -> None:
         self.inner = inner
-        self.device, self.dtype = inner.device, inner.dtype
+        self.device, self.dtype, self.kind = inner.device, inner.dtype, inner.kind
         self.burst_window = inner.burst_window
         self.stopping = stopping
         self.pending: list[Admission] = []  # added with a fault, not yet stepped
@@ -147,3 +147,15 @@ class FaultyBackend(Backend):
 
     def open_chat(self, body: dict[str, Any]) -> Any:
         return self.inner.open_chat(body)
+
+    def adapters(self) -> list[str]:
+        return self.inner.adapters()
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self.inner.load_adapter(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self.inner.unload_adapter(name)
+
+    def check_adapter(self, name: str) -> None:
+        self.inner.check_adapter(name)

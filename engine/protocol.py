@@ -68,6 +68,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     # its KV cache, where the backend has one (vLLM: block_size, num_gpu_blocks), for the
     # gateway's vllm:cache_config_info
     cache: dict[str, float] = {}
+    adapters: list[str] = []  # the LoRA adapters loaded (EngineConfig.adapters), by name
 
 
 class Heartbeat(msgspec.Struct, tag="hb", frozen=True):
@@ -164,6 +165,9 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 TASK_GENERATE, TASK_TOKENIZE, TASK_DETOKENIZE = "generate", "tokenize", "detokenize"
+# LoRA adapters at run time (engine.adapters), answered at once: load `adapter` from the
+# absolute directory `adapter_path` (loaded already from there: a success), or unload it
+TASK_LOAD_ADAPTER, TASK_UNLOAD_ADAPTER = "load_adapter", "unload_adapter"
 
 
 class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
@@ -183,7 +187,8 @@ class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
     echo: bool = False  # send the prompt back (its ids, text and logprobs): see `PromptEcho`
     # "generate", or answered at once without generating: "tokenize" (the prompt's ids, in
     # the result's token_ids; `token_strs`: their vocabulary pieces too; without
-    # `add_special_tokens`, a text prompt gets no BOS) or "detokenize" (prompt_ids as text)
+    # `add_special_tokens`, a text prompt gets no BOS) or "detokenize" (prompt_ids as text);
+    # or TASK_LOAD_ADAPTER / TASK_UNLOAD_ADAPTER (see `adapter`)
     task: str = TASK_GENERATE
     token_strs: bool = False
     add_special_tokens: bool = True
@@ -191,6 +196,10 @@ class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
     # (messages with tool calls, tools, tool_choice, chat_template_kwargs, ...); the prompt,
     # tool-choice grammar and output parsing are vLLM's (`messages` is then unused)
     chat: dict[str, Any] | None = None
+    # the loaded LoRA adapter to generate (chat, tokenize) with: one that is not loaded is
+    # rejected, naming it; for TASK_LOAD_ADAPTER / TASK_UNLOAD_ADAPTER, the one to (un)load
+    adapter: str | None = None
+    adapter_path: str = ""  # TASK_LOAD_ADAPTER: its absolute directory (PEFT's format)
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -259,6 +268,7 @@ class GenerateResult(msgspec.Struct, tag="result", frozen=True):
     # vLLM's stop_reason: the stop string or the stop token id that ended it; None for the end
     # of sequence, max_tokens and the rest
     stop_reason: int | str | None = None
+    adapters: list[str] | None = None  # an adapter task: the adapters loaded after it
 
 
 class Results(msgspec.Struct, tag="results", frozen=True):
@@ -294,6 +304,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine_args: dict[str, Any] = {}  # passed to the backend (vLLM's EngineArgs)
     frontend_args: dict[str, Any] = {}  # vLLM's chat frontend options (tool/reasoning parsers)
     memory_limit: int | None = None  # bytes the engine may hold once loaded (engine.memory)
+    # LoRA adapters loaded while the engine is built, before READY: name -> absolute directory
+    # (PEFT's format); one that cannot be loaded fails the build (exit 78). vLLM engines only
+    # (and builtin:echo, which prefixes its output with "[name] ")
+    adapters: dict[str, str] = {}
 
 
 _control_encoder = msgspec.msgpack.Encoder()

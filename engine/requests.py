@@ -13,6 +13,7 @@ a client has received are exactly the text it has received (what `resume` relies
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -75,12 +76,14 @@ class RequestTable:
     def admit(self, msg: proto.GenerateRequest) -> None:
         now = self.clock()
         if msg.task != proto.TASK_GENERATE:
-            self._tokens(msg)
+            self._task(msg)
             return
         if msg.id in self.active:
             self._reply(msg, error=f"request id {msg.id!r} is already running", rejected=True)
             return
         try:
+            if msg.adapter is not None:
+                self.backend.check_adapter(msg.adapter)
             chat = self._chat(msg)
             prompt_ids = chat.prompt_ids if chat is not None else self._prompt_ids(msg)
             sampling = msg.sampling
@@ -107,7 +110,7 @@ class RequestTable:
                     else self.backend.detokenize(prompt_ids))
             self.backend.add(Admission(msg.id, prompt_ids + list(msg.resume), remaining,
                                        sampling, resumed=len(msg.resume), chat=chat,
-                                       prompt_text=msg.prompt))
+                                       prompt_text=msg.prompt, adapter=msg.adapter))
         except RequestRejected as exc:
             self._reply(msg, error=str(exc), rejected=True)
             return
@@ -116,9 +119,15 @@ class RequestTable:
     def _chat(self, msg: proto.GenerateRequest) -> Any:
         return None if msg.chat is None else self.backend.open_chat(msg.chat)
 
-    def _tokens(self, msg: proto.GenerateRequest) -> None:
-        """A tokenize or detokenize task, answered at once (nothing is generated)."""
+    def _task(self, msg: proto.GenerateRequest) -> None:
+        """A task answered at once (nothing is generated): tokenize, detokenize, or an
+        adapter's load or unload."""
+        if msg.task in (proto.TASK_LOAD_ADAPTER, proto.TASK_UNLOAD_ADAPTER):
+            self._adapter_task(msg)
+            return
         try:
+            if msg.adapter is not None:
+                self.backend.check_adapter(msg.adapter)
             if msg.task == proto.TASK_DETOKENIZE:
                 ids = list(msg.prompt_ids or [])
                 self._reply(msg, text=self.backend.detokenize(ids), token_ids=ids,
@@ -138,6 +147,26 @@ class RequestTable:
         except (ValueError, TypeError, IndexError, OverflowError, KeyError) as exc:
             self._reply(msg, error=f"cannot {msg.task} that: {type(exc).__name__}: {exc}",
                         rejected=True)
+
+    def _adapter_task(self, msg: proto.GenerateRequest) -> None:
+        """Load or unload a LoRA adapter (engine.adapters); the result lists what is loaded."""
+        name = msg.adapter or ""
+        try:
+            if msg.task == proto.TASK_LOAD_ADAPTER:
+                self.backend.load_adapter(name, msg.adapter_path)
+            else:
+                self.backend.unload_adapter(name)
+        except RequestRejected as exc:
+            self._reply(msg, error=str(exc), rejected=True)
+            return
+        except Exception as exc:  # noqa: BLE001 - the task failed; the engine serves on
+            self._reply(msg, error=f"adapter {name!r}: {msg.task} failed: "
+                                   f"{type(exc).__name__}: {exc}")
+            return
+        done = "loaded from " + msg.adapter_path if msg.task == proto.TASK_LOAD_ADAPTER \
+            else "unloaded"
+        print(f"[adapter] {self.name} {name} {done}", file=sys.stderr, flush=True)
+        self._reply(msg, finish_reason=proto.FINISH_STOP, adapters=self.backend.adapters())
 
     def _prompt_ids(self, msg: proto.GenerateRequest) -> list[int]:
         if msg.messages is not None:

@@ -138,6 +138,7 @@ def _sampling_key(sampling: Sampling) -> Sampling:
 
 
 class HFBackend(Backend):
+    kind = "transformers"  # no LoRA adapters: Backend's refusal (engine.adapters)
     burst_window = True  # one `generate` per batch (it cannot grow): a burst shares one
 
     def __init__(self, model: Any, tokenizer: Any, device: str, dtype: Any, gpus: list[int],

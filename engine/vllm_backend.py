@@ -51,6 +51,7 @@ from engined.engine.backend import (
 from engined.engine.checkpoint import check_checkpoint, tiny_llama_dir
 from engined.engine.memory import ALONE_TRIES, BatchLimit, is_oom, too_large, trim
 from engined.engine.vllm_chat import Chat, ChatFrontend
+from engined.engine.vllm_lora import VllmAdapters, lora_kwargs
 from engined.engine.vllm_memory import cache_info, kv_does_not_fit, kv_sizing, memory_kwargs
 from engined.engine.vllm_requests import (
     Seq,
@@ -105,6 +106,7 @@ def build_vllm_backend(config: EngineConfig, progress: ProgressFn) -> VllmBacken
     except OSError as exc:
         raise EngineConfigError(f"cannot read model directory {path}: {exc}") from None
     kwargs = engine_kwargs(config, path)
+    kwargs.update(lora_kwargs(config))
     device = _device(config)
     if config.memory_limit is not None:
         kwargs.update(memory_kwargs(config.memory_limit, device, torch))
@@ -198,6 +200,7 @@ def _device(config: EngineConfig) -> str:
 
 
 class VllmBackend(Backend):
+    kind = "vllm"
     # requests join a running batch at every step, but a burst split over two costs one more
     burst_window = True
 
@@ -219,6 +222,7 @@ class VllmBackend(Backend):
         self.batch = BatchLimit(max_batch_size)
         self.held: collections.deque[Seq] = collections.deque()
         self.frontend: ChatFrontend | None = None  # vLLM's chat frontend (spec frontend_args)
+        self.loras = VllmAdapters(getattr(engine.vllm_config, "lora_config", None))
 
     # --- tokens ------------------------------------------------------------------------------
     @property
@@ -258,12 +262,26 @@ class VllmBackend(Backend):
             raise RequestRejected("this engine has no chat frontend")
         return self.frontend.open(body)
 
+    # --- LoRA adapters (engine.vllm_lora) ----------------------------------------------------
+    def adapters(self) -> list[str]:
+        return self.loras.names()
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self.loras.load(self.engine, name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self.loras.unload(self.engine, name)
+
+    def check_adapter(self, name: str) -> None:
+        self.loras.request(name)
+
     # --- requests ----------------------------------------------------------------------------
     def add(self, request: Admission) -> None:
+        seq = Seq(request, lora=self.loras.request(request.adapter))
         if self.held or not self._room():
-            self.held.append(Seq(request))
+            self.held.append(seq)
             return
-        self._submit(Seq(request))
+        self._submit(seq)
 
     def _room(self) -> bool:
         return self.batch.limit >= self.batch.maximum or len(self.live) < self.batch.limit
@@ -277,7 +295,7 @@ class VllmBackend(Backend):
                 emit(Finished(seq.request.id, "error", error=str(exc), rejected=True))
 
     def _submit(self, seq: Seq) -> None:
-        self.intake.submit(self.engine, seq.request)
+        self.intake.submit(self.engine, seq.request, seq.lora)
         self.live[seq.request.id] = seq
 
     def abort(self, request_id: str) -> None:

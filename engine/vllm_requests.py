@@ -29,6 +29,7 @@ class Seq:
     text_len: int = 0  # characters of the request's text delivered so far, prefix included
     prefix: list[int] = field(default_factory=list)
     alone_ooms: int = 0  # steps it ran out of memory in alone
+    lora: Any = None  # its adapter's LoRARequest (engine.vllm_lora), as it was admitted
 
     def text(self, ids: list[int], vllm_text: str,
              decode: Callable[[list[int], bool], str]) -> str:
@@ -52,9 +53,10 @@ class Seq:
         # its prompt's logprobs went out with its first output: not again
         sampling = msgspec.structs.replace(r.sampling, prompt_logprobs=None)
         return Seq(Admission(r.id, r.prompt_ids + self.ids, r.max_tokens - len(self.ids),
-                             sampling, resumed=r.resumed + len(self.ids), chat=r.chat),
+                             sampling, resumed=r.resumed + len(self.ids), chat=r.chat,
+                             adapter=r.adapter),
                    text_len=self.text_len, prefix=self.prefix + self.ids,
-                   alone_ooms=self.alone_ooms)
+                   alone_ooms=self.alone_ooms, lora=self.lora)
 
 
 class VllmRequests:
@@ -69,11 +71,12 @@ class VllmRequests:
         self.rejections = _rejection_types()  # what vLLM raises for an invalid request
         self.structured_types = _structured_types()
 
-    def submit(self, engine: Any, request: Admission) -> None:
-        """Add it to vLLM's engine; vLLM's validation (too long, a bad token id, ...) rejects
-        it with vLLM's words (RequestRejected)."""
+    def submit(self, engine: Any, request: Admission, lora: Any = None) -> None:
+        """Add it to vLLM's engine (with its adapter's LoRARequest); vLLM's validation (too
+        long, a bad token id, ...) rejects it with vLLM's words (RequestRejected)."""
         try:
-            engine.add_request(request.id, self.prompt(request), self.params(request))
+            engine.add_request(request.id, self.prompt(request), self.params(request),
+                               lora_request=lora)
         except self.rejections as exc:
             raise RequestRejected(" ".join(str(exc).split()) or type(exc).__name__) from None
 
