@@ -50,6 +50,7 @@ from engined.supervisor.logs import StdoutLines
 from engined.supervisor.observe.monitoring import MonitoringEndpoint
 from engined.supervisor.observe.sampler import Sampler
 from engined.supervisor.observe.systemd import Notifier
+from engined.supervisor.routing.ondemand import OnDemand
 from engined.supervisor.routing.replicas import Router
 from engined.supervisor.routing.routes import Routes
 from engined.supervisor.spec.model import ClientLimits, FleetSpec, SupervisorSpec
@@ -92,6 +93,7 @@ class Services:
     control: ControlContext
     upstream: Upstream
     gateway: Gateway | None
+    ondemand: OnDemand
     changed: asyncio.Event  # set when what the state snapshot holds changed
     # what each HTTP server did to its clients (webserver: shed, refused, timed out), by server
     clients: dict[str, collections.Counter[str]] = dataclasses.field(default_factory=dict)
@@ -139,8 +141,11 @@ class Services:
         fleet = Fleet(spec, lambda engine, owner: Replica(engine, deps, owner), clock, router,
                       addresses)
         events = EventLog()
+        ondemand = OnDemand(fleet, router, clock, measure=lambda pids: measure(sampler, pids))
+        router.waker = ondemand.for_request
         control = ControlContext(fleet, router, channels, sampler, events, paths.config,
                                  reload=reload, fork_servers=launcher.describe)
+        control.ondemand = ondemand
         upstream = Upstream()
         routes = cls.gateway_routes(spec, router, upstream, clock)
         gateway = (Gateway(routes, channels, upstream, ApiKey(sup.api_key_file),
@@ -148,7 +153,8 @@ class Services:
                    if sup.gateway is not None else None)
 
         def on_state(change: StateChange) -> None:
-            events.publish(transition(change.view, change.old.value))
+            events.publish({**transition(change.view, change.old.value),
+                            **ondemand.on_state(change)})
             notifier.status(status_line(fleet))
 
         events.on_publish = changed.set
@@ -160,7 +166,7 @@ class Services:
         watcher.on_change.append(lambda pid, alive: changed.set())  # the snapshot is due
         return cls(clock, monitor, notifier, sampler, probes, watcher, reaper, guard, budget,
                    launcher, channels, router, fleet, events, control, upstream, gateway,
-                   changed, notices=notices, stdout=stdout, routes=routes)
+                   ondemand, changed, notices=notices, stdout=stdout, routes=routes)
 
     # --- what a cluster gateway does its own way (supervisor.cluster.services) ---------------
     @classmethod
@@ -170,8 +176,9 @@ class Services:
         return router
 
     def background(self) -> dict[str, Coroutine[Any, Any, None]]:
-        """What runs beside the fleet until shutdown, by name: nothing here."""
-        return {}
+        """What runs beside the fleet until shutdown, by name: on-demand engines' sleeps and
+        the memory budget (a reload may add either)."""
+        return {"ondemand": self.ondemand.run()}
 
     def reload_routes(self, spec: FleetSpec) -> None:
         """A reload: the routes follow the fleet's replicas by themselves."""
@@ -203,7 +210,7 @@ class Services:
                                           self.gateway.stats if self.gateway else None,
                                           lambda: self.control.handover_info(),
                                           lambda: self.clients, lambda: self.replica_ports,
-                                          self.readiness, self.node_states)
+                                          self.readiness, self.node_states, self.ondemand)
             runners["http"] = await self._serve_tcp(endpoint.make_app(), sup.http,
                                                     MAX_HTTP_CONNECTIONS, "HTTP", "http",
                                                     given.get("http"), sup.clients)
@@ -309,6 +316,16 @@ class Services:
         await self.upstream.close()
         await self.channels.close()
         self.notifier.close()
+
+
+async def measure(sampler: Sampler, pids: list[int]) -> dict[int, tuple[int, dict[int, int]]]:
+    """What each engine's process tree holds: resident bytes, and bytes per GPU (NVML)."""
+    sample = await sampler.sample(pids)
+    out = {}
+    for pid, tree in sample.trees.items():
+        gpus = {d.index: n for d in sample.gpus if (n := tree.gpu_bytes(d)) is not None}
+        out[pid] = (tree.rss_bytes, gpus)
+    return out
 
 
 def status_line(fleet: Fleet) -> str:

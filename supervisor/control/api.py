@@ -14,7 +14,7 @@ import os
 import socket
 import struct
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 from aiohttp import web
 
@@ -40,6 +40,20 @@ MAX_BODY_BYTES = 64 * 1024
 GENERATE_MAX_TOKENS = 64  # POST /v1/generate's default token budget
 
 
+class SleepWake(Protocol):
+    """On-demand engines (routing.ondemand): what `enginectl sleep`, `wake` and status use."""
+
+    def sleep(self, name: str, reason: str) -> Any: ...
+
+    def wake(self, name: str, reason: str) -> Any: ...
+
+    def blocked_by(self, name: str) -> str | None: ...
+
+    def stuck_waking(self, name: str) -> bool: ...
+
+    def status_of(self, name: str) -> dict[str, Any] | None: ...
+
+
 class ControlContext:
     """What the routes need; built once by the daemon."""
 
@@ -60,6 +74,7 @@ class ControlContext:
         # the daemon's (supervisor.handover): an upgrade in place, and what status says of it
         self.upgrade: Callable[[asyncio.Event, float], Awaitable[dict]] | None = None
         self.handover_info: Callable[[], dict[str, Any]] = dict
+        self.ondemand: SleepWake | None = None  # sleep and wake (routing.ondemand)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -199,11 +214,14 @@ class _Routes:
         views = ctx.fleet.view().engines
         sample = await ctx.sampler.sample([v.pid for v in views if v.pid is not None])
         engines = [engine_status(v, sample) for v in views]
+        if ctx.ondemand is not None:
+            for engine in engines:
+                engine["on_demand"] = ctx.ondemand.status_of(engine["name"])
         return web.json_response({"supervisor": supervisor, "engines": engines})
 
     async def action(self, request: web.Request) -> web.Response:
         action = request.match_info["action"]
-        if action not in ("start", "stop", "restart"):
+        if action not in ("start", "stop", "restart", "sleep", "wake"):
             raise web.HTTPNotFound(reason=f"unknown action {action!r}")
         ask = read(await _json_body(request), bodies.ActionBody)
         wait, timeout_s, all_at_once = ask.wait, ask.timeout_s, ask.all_at_once
@@ -213,10 +231,34 @@ class _Routes:
         except UnknownEngine as exc:
             return _error(404, str(exc))
         before = {r.name: r.view() for r in affected}
+        if action in ("sleep", "wake"):
+            return web.json_response({"engines": await self._on_demand(
+                action, request.match_info["name"], affected, before, wait, timeout_s)})
         fleet.command(action, request.match_info["name"], all_at_once=all_at_once)
         results = await asyncio.gather(*(_settle(r, action, before[r.name], wait, timeout_s)
                                          for r in affected))
         return web.json_response({"engines": results})
+
+    async def _on_demand(self, action: str, name: str, affected: list[Replica],
+                         before: dict[str, EngineView], wait: bool,
+                         timeout_s: float) -> list[dict[str, Any]]:
+        """`enginectl sleep` / `wake`: a wake that the memory budget holds back says why."""
+        ondemand = self.ctx.ondemand
+        assert ondemand is not None
+        getattr(ondemand, action)(name, "operator")
+        if action == "wake":  # one that only busy engines' memory keeps asleep fails at once
+            stuck = [r for r in affected if ondemand.stuck_waking(r.name)]
+            affected = [r for r in affected if r not in stuck]
+        results = await asyncio.gather(*(_settle(r, action, before[r.name], wait, timeout_s)
+                                         for r in affected))
+        if action == "wake":
+            results += [{"name": r.name, "state": r.state.value, "pid": None, "ok": False,
+                         "error": "asleep"} for r in stuck]
+        for result in results:
+            blocked = ondemand.blocked_by(result["name"]) if action == "wake" else None
+            if blocked and not result["ok"]:
+                result["error"] = f"{result['error'] or 'asleep'}: {blocked}"
+        return list(results)
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         """State transitions as JSON lines: the last `lines` (default 100), then, with
@@ -384,9 +426,13 @@ async def _settle(replica: Replica, action: str, before: EngineView, wait: bool,
     """Wait (if asked) until the engine reached the action's target state, then report it."""
     needs_new = action == "restart" or before.pid is None
 
+    rest = {"stop": EngineState.STOPPED, "sleep": EngineState.ASLEEP}.get(action)
+
     def done(v: EngineView) -> bool:
-        if action == "stop":
-            return v.state is EngineState.STOPPED and v.pid is None
+        if rest is not None:
+            return v.state is rest and v.pid is None
+        if action == "wake" and v.asleep:
+            return False  # held back by the memory budget, or not yet woken
         if not v.wanted:
             return True  # someone stopped it meanwhile
         fresh = v.incarnation > before.incarnation or not needs_new
@@ -397,7 +443,7 @@ async def _settle(replica: Replica, action: str, before: EngineView, wait: bool,
         reached = await replica.wait_for(done, timeout_s)
     view = replica.view()
     if wait:
-        target = "STOPPED" if action == "stop" else "READY"
+        target = rest.value if rest is not None else "READY"
         ok = reached and view.state.value == target
         if not reached:
             error = f"not {target} within {timeout_s:g}s (state {view.state.value})"
@@ -440,7 +486,7 @@ def engine_status(view: EngineView, sample: Sample) -> dict[str, Any]:
     hb, ready = view.heartbeat, view.ready
     return {
         "name": view.name, "group": view.group, "rank": view.rank,
-        "state": view.state.value, "desired": "run" if view.wanted else "stopped",
+        "state": view.state.value, "desired": view.desired,
         "pid": view.pid, "incarnation": view.incarnation, "restarts": view.restarts,
         "restarts_by_reason": dict(view.restarts_by_reason),
         "since": view.since, "startup_s": view.startup_s,

@@ -101,8 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--follow", action="store_true", help="then stream them until Ctrl-C")
     p.set_defaults(func=cmd_events)
 
-    for action in ("restart", "stop", "start"):
-        p = sub.add_parser(action, parents=[common], help=f"{action} engines")
+    helps = {"sleep": "put on-demand engines to sleep (a request wakes them)",
+             "wake": "wake sleeping engines (within the memory budget)"}
+    for action in ("restart", "stop", "start", "sleep", "wake"):
+        p = sub.add_parser(action, parents=[common], help=helps.get(action, f"{action} engines"))
         p.add_argument("names", nargs="+", metavar="NAME", help="replica, group or 'all'")
         p.add_argument("--no-wait", action="store_true", help="return without waiting")
         if action == "restart":

@@ -22,7 +22,7 @@ OPTIONS
         return
     fi
     case "$cmd" in
-        status|restart|stop|start|logs)
+        status|restart|stop|start|sleep|wake|logs)
             COMPREPLY=($(compgen -W "$(${ENGINECTL:-enginectl} completion names 2>/dev/null)" \\
                 -- "$cur"));;
         generate) [ "${COMP_WORDS[COMP_CWORD-1]}" = "--engine" ] && COMPREPLY=($(compgen -W \\
@@ -48,7 +48,7 @@ OPTIONS
     esac
     if [[ "${words[CURRENT]}" == -* ]]; then
         compadd -- ${opts[@]}
-    elif [[ "${words[2]}" == (status|restart|stop|start|logs) ]]; then
+    elif [[ "${words[2]}" == (status|restart|stop|start|sleep|wake|logs) ]]; then
         compadd -- ${(f)"$(${ENGINECTL:-enginectl} completion names 2>/dev/null)"}
     elif [[ "${words[2]}" == completion ]]; then
         compadd -- bash zsh

@@ -74,6 +74,8 @@ def state_cell(engine: Mapping[str, Any], now: float) -> str:
         at = engine.get("restart_at")
         why = "restarting now" if at is None else \
             f"retry in {humanize_duration(max(0.0, at - now) + 0.999)}"
+    elif state == "ASLEEP":
+        why = asleep_why(engine.get("on_demand") or {})
     elif state == "STOPPED":
         if engine.get("desired") == "stopped":
             why = "by an operator"
@@ -82,6 +84,15 @@ def state_cell(engine: Mapping[str, Any], now: float) -> str:
     if engine.get("role") == "standby":
         why = f"standby, {why}" if why else "standby"
     return f"{state} ({why})" if why else state
+
+
+def asleep_why(on_demand: Mapping[str, Any]) -> str:
+    """`idle 10m, wakes on request`: why it sleeps (routing.ondemand's reasons)."""
+    reason, idle = on_demand.get("reason"), on_demand.get("idle_timeout_s")
+    why = {"idle": f"idle {humanize_duration(idle, coarse=True)}" if idle else "idle",
+           "budget": "for the memory budget", "operator": "by an operator",
+           "start": "on demand"}.get(str(reason), "asleep")
+    return f"{why}, wakes on request"
 
 
 def status_row(engine: Mapping[str, Any], now: float) -> list[str]:

@@ -52,6 +52,7 @@ Address = tuple[str, int]
 class Desired(enum.Enum):
     RUN = "run"
     STOPPED = "stopped"
+    ASLEEP = "asleep"  # stopped until a request or an operator wakes it (routing.ondemand)
 
 
 class Command(enum.Enum):
@@ -154,6 +155,17 @@ class Slot:
     previous: Incarnation | None
     intent: Intent
     task: asyncio.Task[None] | None
+    clock: Clock
+    _bound: list[Address]
+
+    def kill_now(self) -> None:
+        """Second shutdown signal: no more waiting."""
+        if self.current is not None and self.current.alive:
+            self.current.kill(self.clock.monotonic())
+
+    def knows(self, address: Address) -> bool:
+        """Whether `address` is one of its last incarnations' (a late cleanup report's)."""
+        return address in self._bound
 
     @property
     def name(self) -> str:
@@ -174,6 +186,11 @@ class Slot:
         return self.desired is Desired.RUN
 
     @property
+    def at_rest(self) -> EngineState:
+        """The state it settles in without a process when not wanted: ASLEEP or STOPPED."""
+        return EngineState.ASLEEP if self.desired is Desired.ASLEEP else EngineState.STOPPED
+
+    @property
     def pid(self) -> int | None:
         return self.current.pid if self.current is not None else None
 
@@ -187,8 +204,8 @@ class Slot:
     @property
     def settled(self) -> bool:
         """Down and accounted for: no process, and its exit (if any) already handled."""
-        return self.current is None and self.state in (EngineState.STOPPED,
-                                                       EngineState.BACKOFF, EngineState.FAILED)
+        return self.current is None and self.state in (
+            EngineState.STOPPED, EngineState.BACKOFF, EngineState.FAILED, EngineState.ASLEEP)
 
     @property
     def down(self) -> bool:
@@ -225,8 +242,9 @@ class Replica(Slot):
         self.spec, self.deps, self.owner, self.clock = spec, deps, owner, deps.clock
         self.log = LogSink(deps.log_dir / f"{spec.name}.log", deps.log_max_bytes,
                            deps.log_backups, deps.stdout, spec.name)
-        self.state = EngineState.STOPPED
-        self.desired = Desired.RUN
+        # on demand (routing.ondemand): the replicas past min_replicas start asleep
+        self.desired = Desired.ASLEEP if spec.starts_asleep else Desired.RUN
+        self.state = self.at_rest
         self.incarnation = 0  # how many incarnations this replica has had (promotions count)
         self.current: Incarnation | None = None  # spawned (or spawning), exit not yet handled
         self.previous: Incarnation | None = None  # the last one, for status after its exit
@@ -316,8 +334,9 @@ class Replica(Slot):
             self.intent.wakeup.set()
 
     # --- operator commands (through the owner, on the loop) ----------------------------------
-    def stop(self, deadline: float | None = None) -> None:
-        self.desired = Desired.STOPPED
+    def stop(self, deadline: float | None = None, desired: Desired = Desired.STOPPED) -> None:
+        """SIGTERM, stop_timeout, SIGKILL; then STOPPED (or ASLEEP: a sleep is such a stop)."""
+        self.desired = desired
         # A pending backoff restart is cancelled: status must not keep announcing it.
         self.intent.spawn_due, self.intent.reason, self.restart_at = None, None, None
         inc = self.current
@@ -327,8 +346,8 @@ class Replica(Slot):
                 inc.term_deadline = min(inc.term_deadline, deadline)
         if inc is not None:
             self.intent.command = Command.STOP
-        elif self.state is not EngineState.STOPPED:
-            self.set_state(EngineState.STOPPED)
+        elif self.state is not self.at_rest:
+            self.set_state(self.at_rest)
         self.intent.wakeup.set()
 
     def start(self) -> None:
@@ -346,11 +365,6 @@ class Replica(Slot):
         else:
             self.intent.spawn_due = self.clock.monotonic()
         self.intent.wakeup.set()
-
-    def kill_now(self) -> None:
-        """Second shutdown signal: no more waiting."""
-        if self.current is not None and self.current.alive:
-            self.current.kill(self.clock.monotonic())
 
     async def wait_for(self, predicate: Callable[[EngineView], bool], timeout_s: float) -> bool:
         """Until `predicate(view)` holds (True) or `timeout_s` passes (False)."""
@@ -383,10 +397,6 @@ class Replica(Slot):
     def on_message(self, msg: proto.ChildMessage) -> bool:
         """Apply a message from the child; False if it is from another incarnation."""
         return messages.deliver(self, msg)
-
-    def knows(self, address: Address) -> bool:
-        """Whether `address` is one of its last incarnations' (a late cleanup report's)."""
-        return address in self._bound
 
     # --- what its worker tells it (supervisor.lifecycle.worker) -----------------------------
     def watched(self, task: asyncio.Task[None]) -> None:
@@ -495,7 +505,7 @@ def view_of(replica: Replica) -> EngineView:
         fail_reason=replica.fail_reason, data_parallel=spec.data_parallel,
         port=child.port if child is not None else None, command=spec.is_command,
         standby=spec.standby, launcher=child.launcher if child is not None else "",
-        adopted_at=inc.adopted_at if inc is not None else None,
+        adopted_at=inc.adopted_at if inc is not None else None, desired=replica.desired.value,
         **replica.history.view_fields())
 
 

@@ -13,6 +13,7 @@ class EngineState(enum.Enum):
     STOPPING = "STOPPING"
     BACKOFF = "BACKOFF"
     FAILED = "FAILED"
+    ASLEEP = "ASLEEP"  # on demand: no process, not down; the next request (or `wake`) starts it
 
 
 class Reason(enum.Enum):
@@ -40,14 +41,18 @@ class IllegalTransition(RuntimeError):
 _S = EngineState
 # STARTING/READY -> STOPPED/BACKOFF/FAILED directly: the child exited by itself (crash, exit 78).
 # STOPPING -> STOPPED/BACKOFF/FAILED: we killed it (stop, hang, stall, startup timeout, group).
+# -> ASLEEP wherever a stop may end: a sleep is a stop that the next request undoes.
 TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
     # STOPPED/FAILED -> BACKOFF/FAILED: a start whose child could not be spawned at all.
-    _S.STOPPED: frozenset({_S.STARTING, _S.BACKOFF, _S.FAILED}),
-    _S.STARTING: frozenset({_S.READY, _S.STOPPING, _S.BACKOFF, _S.FAILED, _S.STOPPED, _S.STARTING}),
-    _S.READY: frozenset({_S.STOPPING, _S.BACKOFF, _S.FAILED, _S.STOPPED, _S.STARTING}),
-    _S.STOPPING: frozenset({_S.STOPPED, _S.BACKOFF, _S.FAILED, _S.STARTING}),
-    _S.BACKOFF: frozenset({_S.STARTING, _S.STOPPED, _S.FAILED}),
-    _S.FAILED: frozenset({_S.STARTING, _S.STOPPED, _S.BACKOFF}),
+    _S.STOPPED: frozenset({_S.STARTING, _S.BACKOFF, _S.FAILED, _S.ASLEEP}),
+    _S.STARTING: frozenset({_S.READY, _S.STOPPING, _S.BACKOFF, _S.FAILED, _S.STOPPED, _S.STARTING,
+                            _S.ASLEEP}),
+    _S.READY: frozenset({_S.STOPPING, _S.BACKOFF, _S.FAILED, _S.STOPPED, _S.STARTING, _S.ASLEEP}),
+    _S.STOPPING: frozenset({_S.STOPPED, _S.BACKOFF, _S.FAILED, _S.STARTING, _S.ASLEEP}),
+    _S.BACKOFF: frozenset({_S.STARTING, _S.STOPPED, _S.FAILED, _S.ASLEEP}),
+    _S.FAILED: frozenset({_S.STARTING, _S.STOPPED, _S.BACKOFF, _S.ASLEEP}),
+    # a wake spawns (STARTING), or could not (BACKOFF, FAILED); `stop` parks it
+    _S.ASLEEP: frozenset({_S.STARTING, _S.STOPPED, _S.BACKOFF, _S.FAILED}),
 }
 
 

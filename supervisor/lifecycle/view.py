@@ -64,6 +64,7 @@ class EngineView:
     standby: bool = False  # a warm spare of its group: not routed, not counted as serving
     adopted_at: float | None = None  # its process was handed over by an engined upgrade (unix)
     oom_exited: int = 0  # earlier incarnations' out-of-memory steps (the counter never goes back)
+    desired: str = "run"  # run | stopped | asleep (on demand: a request wakes it)
 
     @property
     def oom_total(self) -> int:
@@ -74,6 +75,11 @@ class EngineView:
     @property
     def is_ready(self) -> bool:
         return self.state is EngineState.READY
+
+    @property
+    def asleep(self) -> bool:
+        """Put to sleep (or going to sleep): not down, it wakes on the next request."""
+        return self.desired == "asleep"
 
     @property
     def restarts(self) -> int:
@@ -124,14 +130,16 @@ class FleetView:
         return (200 if status == "ok" else 503), body
 
     def readiness(self) -> tuple[int, dict[str, Any]]:
-        """/readyz: 200 when every group that should serve has a READY replica; 503 when one has
-        none, when nothing should serve at all (every engine stopped), and from the moment
-        engined begins to shut down (a SIGTERM: its drain runs behind a 503)."""
+        """/readyz: 200 when every group that should serve has a READY replica or sleeps (a
+        request wakes it); 503 when one has neither, when nothing should serve at all (every
+        engine stopped), and from the moment engined begins to shut down (a SIGTERM: its drain
+        runs behind a 503)."""
         if self.stopping:
             return 503, {"status": "shutting down", "groups": {}}
-        groups = {group: any(e.is_ready for e in members if e.wanted and not e.standby)
+        groups = {group: any(e.is_ready or e.asleep for e in members
+                             if (e.wanted or e.asleep) and not e.standby)
                   for group, members in self.groups().items()
-                  if any(e.wanted and not e.standby for e in members)}
+                  if any((e.wanted or e.asleep) and not e.standby for e in members)}
         ok = bool(groups) and all(groups.values())
         status = "ready" if ok else ("not ready" if groups else "nothing to serve")
         return (200 if ok else 503), {"status": status, "groups": groups}

@@ -97,7 +97,7 @@ class ReplicaWorker:
             scratch.remove(inc.token)  # made for it: unused
             replica.owner.on_spawn_failed(replica, replica.history.spawn_failed(exc, self.clock))
             if not replica.wanted and command is not None:
-                replica.set_state(EngineState.STOPPED)  # asked to stop meanwhile: it is
+                replica.set_state(replica.at_rest)  # asked to stop (or sleep) meanwhile: it is
             return None
         except BaseException:
             replica.spawn_failed()
@@ -202,8 +202,9 @@ class ReplicaWorker:
         self.deps.notices.lost.publish(Lost(inc.address, lost_because(down.reason, requested)))
         self.intent.command = None
         if not replica.wanted:
-            replica.set_state(EngineState.STOPPED)
-            log.info("[stop] %s pid %d stopped (%s)", replica.name, down.pid,
+            replica.set_state(replica.at_rest)
+            log.info("[stop] %s pid %d %s (%s)", replica.name, down.pid,
+                     "asleep" if replica.state is EngineState.ASLEEP else "stopped",
                      record.status.describe())
         elif requested is Command.PEER_STOP:
             replica.history.record_exit(inc, record, Reason.GROUP, record.status.describe())

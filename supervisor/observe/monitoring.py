@@ -22,6 +22,7 @@ from engined.supervisor.ipc import EngineChannels
 from engined.supervisor.lifecycle.fleet import Fleet
 from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
 from engined.supervisor.observe.metrics import FleetCollector, make_registry, render
+from engined.supervisor.observe.ondemand import OnDemandCollector, OnDemandStats
 from engined.supervisor.observe.sampler import Sampler
 
 Readiness = Callable[[], tuple[int, dict[str, Any]]]
@@ -34,7 +35,8 @@ class MonitoringEndpoint:
                  clients: Callable[[], dict[str, Any]] = dict,
                  replica_ports: Callable[[], dict[int, str]] = dict,
                  readiness: Readiness | None = None,
-                 nodes: Callable[[], list[tuple[str, bool]]] = list) -> None:
+                 nodes: Callable[[], list[tuple[str, bool]]] = list,
+                 ondemand: OnDemandStats | None = None) -> None:
         """`gateway`: its counts (None: no gateway); `readiness`: /readyz's answer, the fleet's
         by default; `nodes`: a cluster gateway's, (node, whether it takes requests)."""
         self.fleet, self.channels, self.sampler, self.monitor = fleet, channels, sampler, monitor
@@ -43,6 +45,8 @@ class MonitoringEndpoint:
         self.readiness: Readiness = readiness or (lambda: self.fleet.view().readiness())
         self.collector = FleetCollector()
         self.registry = make_registry(self.collector)
+        if ondemand is not None:
+            self.registry.register(OnDemandCollector(ondemand))
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=4096)

@@ -30,6 +30,7 @@ from engined.supervisor.routing.routes import (
     Lease,
     NoReplica,
     Route,
+    Waking,
 )
 from engined.supervisor.spec.model import EngineSpec
 
@@ -52,6 +53,9 @@ class Router(BaseRouter):
         self._draining: set[Replica] = set()
         self._released = asyncio.Event()  # a lease ended: a drain looks again
         self._routes: dict[str, tuple[EngineSpec, Route]] = {}  # group -> (its spec, its route)
+        self.used: dict[str, float] = {}  # group -> when a request last came or ended (clock)
+        # on-demand engines (routing.ondemand): wakes a group a request found nothing of
+        self.waker: Callable[[str], Waking | None] | None = None
 
     def replicas(self) -> Iterable[Replica]:
         """The fleet's, in spec order."""
@@ -152,13 +156,36 @@ class Router(BaseRouter):
                     return self._lease(replica, inc)
             raise NoReplica(f"replica {pinned} is not serving now (draining, restarting or "
                             f"stopped): send the request to another endpoint")
-        return await self.wait_for(
-            lambda: self.pick([r for r in self._replicas() if r.spec.group == group],
-                              False, avoid),
-            deadline, f"no replica of '{group}' could serve the request in time")
+        def pick() -> ReplicaLease | None:
+            return self.pick([r for r in self._replicas() if r.spec.group == group], False, avoid)
+
+        too_late = f"no replica of '{group}' could serve the request in time"
+        lease = pick()
+        waking = self.waker(group) if lease is None and self.waker is not None else None
+        if lease is not None or waking is None:
+            return lease or await self.wait_for(pick, deadline, too_late)
+
+        def pick_or_wake() -> ReplicaLease | None:
+            got = pick()
+            if got is None:
+                waking.retry()
+            return got
+        try:
+            return await self.wait_for(pick_or_wake, min(deadline, waking.deadline), too_late,
+                                       hopeless=lambda: waking.hopeless)
+        except NoReplica as exc:
+            if waking.hopeless or self.clock() < waking.deadline:
+                raise
+            raise NoReplica(waking.why()) from exc
+
+    def admit(self, group: str) -> None:
+        super().admit(group)
+        self.used[group] = self.clock()
 
     def release(self, lease: Lease) -> None:
         super().release(lease)
+        if isinstance(lease, ReplicaLease):
+            self.used[lease.replica.spec.group] = self.clock()
         self._released.set()
 
     def load(self, replica: Replica) -> int:

@@ -52,6 +52,17 @@ class NoReplica(NoRoute):
     """No routable server (now, or before the request's deadline)."""
 
 
+@dataclass
+class Waking:
+    """A request's wait for its model to wake (routing.ondemand): until `deadline`, then
+    NoReplica with `why()`."""
+
+    deadline: float  # monotonic
+    why: Callable[[], str]
+    hopeless: str | None = None  # it can never wake (the budget): said at once
+    retry: Callable[[], None] = lambda: None  # try the wake again (memory may have come free)
+
+
 class Target(Protocol):
     """One life of a server, which a lease is on."""
 
@@ -240,4 +251,4 @@ class BaseRouter(abc.ABC):
 
 
 __all__ = ["BaseRouter", "Closing", "GroupLoad", "Lease", "LostOn", "NoReplica", "NoRoute",
-           "PINNED", "QueueFull", "Route", "Routes", "Target", "UnknownModel"]
+           "PINNED", "QueueFull", "Route", "Routes", "Target", "UnknownModel", "Waking"]

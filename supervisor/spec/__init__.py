@@ -196,8 +196,10 @@ def anchor_paths(fleet: FleetSpec, base_dir: str) -> FleetSpec:
         command = engine.command
         if command and "/" in command[0]:  # a program named by path (a bare name uses PATH)
             command = (_anchor(base_dir, command[0]), *command[1:])
+        adapters = tuple((name, _anchor(base_dir, path)) for name, path in engine.adapters)
         engines.append(dataclasses.replace(engine, model=model, python=anchor(engine.python),
-                                           command=command, cwd=anchor(engine.cwd)))
+                                           command=command, cwd=anchor(engine.cwd),
+                                           adapters=adapters))
     return dataclasses.replace(fleet, supervisor=supervisor, engines=tuple(engines),
                                upstreams=upstreams)
 

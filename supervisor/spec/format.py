@@ -20,12 +20,14 @@ class _Row:
 
 _SUPERVISOR_ROWS = tuple(_Row(label) for label in (
     "http", "gateway", "control_tcp", "control_socket", "runtime_dir", "log_dir",
-    "log_rotation", "launcher", "heartbeat", "orphan_timeout", "clients", "kubernetes"))
+    "log_rotation", "launcher", "heartbeat", "orphan_timeout", "clients", "kubernetes"
+)) + (_Row("memory_budget", when_set=True),)
 _ENGINE_ROWS = (
     _Row("command", "command"), _Row("cwd", "command"), _Row("checks", "command"),
     _Row("model", "child"), _Row("backend", "child", when_set=True),
     _Row("python", "child", when_set=True), _Row("gpus"), _Row("restart"), _Row("timeouts"),
-    _Row("backoff"), _Row("batch", "child"), _Row("serving"), _Row("env"),
+    _Row("backoff"), _Row("batch", "child"), _Row("serving"), _Row("on_demand", when_set=True),
+    _Row("adapters"), _Row("env"),
 )
 # which engines each engine row is shown for ("any", "child", "command"): the spec reference
 # says from it which engines a key applies to

@@ -59,12 +59,23 @@ from engined.supervisor.spec.command_checks import (
     _probe,
     _progress,
 )
-from engined.supervisor.spec.model import (
-    EngineSpec,
-    ModelSpec,
-    ProbeSpec,
-    ProgressSpec,
-    SupervisorSpec,
+from engined.supervisor.spec.model import EngineSpec, SupervisorSpec
+from engined.supervisor.spec.ondemand import (
+    SLEEP_MODES,
+    _adapters,
+    _optional_duration,
+)
+from engined.supervisor.spec.texts import (
+    _address,
+    _fmt_bytes,
+    _http_address,
+    _model_text,
+    _or_default,
+    _port_text,
+    _printable,
+    _printable_if_set,
+    _probe_text,
+    _progress_text,
 )
 
 # The resolved dataclasses ------------------------------------------------------------------
@@ -172,61 +183,6 @@ class Key:
         """Its value in a resolved SupervisorSpec or EngineSpec."""
         assert self.field is not None, self.name
         return attrgetter(self.field)(resolved)
-
-
-# How --check shows values -------------------------------------------------------------------
-
-
-def _printable(text: str) -> str:
-    return text if text.isprintable() else repr(text)  # no terminal escapes from a spec
-
-
-def _address(address: tuple[str, int] | None) -> str:
-    return "off" if address is None else f"{address[0]}:{address[1]}"
-
-
-def _http_address(address: tuple[str, int] | None) -> str:
-    if address is not None and ":" in address[0]:
-        return f"[{address[0]}]:{address[1]}"
-    return _address(address)
-
-
-def _or_default(default: str) -> Callable[[str | None], str]:
-    return lambda path: _printable(path) if path else f"default ({default})"
-
-
-def _printable_if_set(text: str | None) -> str | None:
-    return _printable(text) if text else None
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return f"{n} bytes"
-
-
-def _model_text(model: ModelSpec) -> str:
-    return _printable(model.source) + (f" (dtype {model.dtype})" if model.dtype else "")
-
-
-def _port_text(port: int | None) -> str:
-    if port is None:
-        return "none"
-    return "auto (a free loopback port at each spawn)" if port == 0 else str(port)
-
-
-def _probe_text(probe: ProbeSpec | None) -> str:
-    if probe is None:
-        return "probe off"
-    return (f"probe GET {probe.path} every {_fmt_duration(probe.interval_s)}, timeout "
-            f"{_fmt_duration(probe.timeout_s)}, {probe.failures} failures = hung")
-
-
-def _progress_text(progress: ProgressSpec | None) -> str | None:
-    if progress is None:
-        return None
-    return f"progress {progress.counter} while {progress.busy} > 0 ({progress.metrics})"
 
 
 _DURATION = _duration(positive=True)
@@ -343,6 +299,15 @@ KEYS: tuple[Key, ...] = (
         "orchestrator restarts the pod instead of leaving it degraded)",
         Shown("kubernetes", "exit_on_failed", lambda on: True if on else None),
         type="bool", example=True),
+    Key("memory_budget.host", _SUP, _optional_size(1 << 20, 1 << 50), "memory_budget.host",
+        "what engines without GPUs may hold together (their memory_limit, else what they "
+        "measured); past it, on-demand engines are put to sleep, least recently used first",
+        Shown("memory_budget", "host {}", lambda n: n and _fmt_bytes(n)),
+        type="size or `null`", example="48GiB"),
+    Key("memory_budget.gpu", _SUP, _optional_size(1 << 20, 1 << 50), "memory_budget.gpu",
+        "the same for each GPU, against what engines on it hold",
+        Shown("memory_budget", "gpu {}", lambda n: n and _fmt_bytes(n)),
+        type="size or `null`", example="70GiB"),
     Key("engine_logs", _SUP, _enum(ENGINE_LOGS), "engine_logs",
         "files: each engine's output in log_dir; stdout: on engined's stdout instead, each "
         "line prefixed with its engine (what a container's log collector reads)",
@@ -490,6 +455,33 @@ KEYS: tuple[Key, ...] = (
         "warm spares (NAME-standby-K): built, not routed; one takes over a replica that dies",
         default=0,
         type="integer", example=1),
+    # on demand (docs/on-demand.md)
+    Key("idle_timeout", _SET, _optional_duration, "idle_timeout_s",
+        "on demand: this long with no request in flight or waiting, the replicas beyond "
+        "min_replicas go to sleep; the next request wakes them; null: always awake",
+        Shown("on_demand", "asleep after {} idle", lambda s: s and _fmt_duration(s)),
+        type="duration or `null`", example="10m"),
+    Key("min_replicas", _SET, _int_in(0, 1024), "min_replicas",
+        "replicas an on-demand engine keeps awake (0: all sleep; with idle_timeout)",
+        Shown("on_demand", "min_replicas {}"),
+        type="integer", example=1, example_with={"idle_timeout": "10m"}),
+    Key("wake_timeout", _SET, _DURATION, "wake_timeout_s",
+        "how long a request waits for its model to wake; past it -> 503 with Retry-After",
+        Shown("on_demand", "wake_timeout {}", _fmt_duration),
+        type="duration", example="2m"),
+    Key("sleep_mode", _SET, _enum(SLEEP_MODES), "sleep_mode",
+        "stop (the process ends; a wake starts it) | level1 | level2 (vLLM's sleep mode, GPUs "
+        "only: weights to host memory / dropped, the KV cache dropped)",
+        Shown("on_demand", "sleep_mode {}"),
+        type="`stop`, `level1` or `level2`", example="level1",
+        example_with={"backend": "vllm", "gpus": [0], "gpus_per_replica": 1}),
+    Key("adapters", _SET, _adapters, "adapters",
+        "LoRA adapters, name -> directory: loaded at every start before the replica takes "
+        "their requests (backend: vllm; builtin:echo mimics them)",
+        Shown("adapters", fmt=lambda pairs: ", ".join(f"{n}={_printable(p)}"
+                                                      for n, p in pairs) or None),
+        type="mapping: adapter name to its directory", example={"sql": "/models/sql-lora"},
+        example_with={"backend": "vllm"}),
     # nested sections (checked after the plain keys)
     Key("backoff.initial", _SET, _SECONDS, "backoff.initial_s",
         "the wait after the 2nd consecutive failure (the 1st after a stable run restarts at once)",

@@ -165,10 +165,34 @@ class EngineSpec:
     canary: CanarySpec | None = None  # one-token requests while idle (command engines, openai)
     launcher: str = "forkserver"  # forkserver | exec (command engines: always exec)
     standby: bool = False  # a warm spare of its group (built, heartbeating, never routed)
+    # on demand (routing.ondemand): asleep after this long with no request; None: always awake
+    idle_timeout_s: float | None = None
+    min_replicas: int = 0  # replicas an on-demand group keeps awake (ranks below it)
+    wake_timeout_s: float = 300.0  # a request waits this long for its model to wake (503 past)
+    sleep_mode: str = "stop"  # stop (the process) | level1 | level2 (vLLM's, on GPUs)
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters: (name, directory), sorted
 
     @property
     def is_command(self) -> bool:
         return bool(self.command)
+
+    @property
+    def on_demand(self) -> bool:
+        return self.idle_timeout_s is not None
+
+    @property
+    def starts_asleep(self) -> bool:
+        """On demand and not among the min_replicas kept awake: a request wakes it."""
+        return self.on_demand and not self.standby and self.rank >= self.min_replicas
+
+
+@dataclass(frozen=True)
+class MemoryBudgetSpec:
+    """What the engines may hold together, by their memory_limit or what they measured: the
+    host's memory (engines without GPUs) and each GPU's; None: no budget."""
+
+    host: int | None = None
+    gpu: int | None = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +219,7 @@ class SupervisorSpec:
     replica_ports: int | None = None  # replica i of the fleet also on the gateway's host, BASE+i
     exit_on_failed: bool = False  # an engine FAILED: stop everything and exit 1
     engine_logs: str = "files"  # or "stdout": engine output on engined's stdout, prefixed
+    memory_budget: MemoryBudgetSpec = MemoryBudgetSpec()  # on-demand engines swap within it
 
 
 @dataclass(frozen=True)

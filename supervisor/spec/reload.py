@@ -36,7 +36,9 @@ class ReloadPlan:
 
 def identity(spec: EngineSpec) -> EngineSpec:
     """What must stay equal for a running replica to be left alone."""
-    spec = dataclasses.replace(spec, launcher="")  # applies from the next spawn
+    # the launcher applies from the next spawn; the on-demand keys apply at once
+    spec = dataclasses.replace(spec, launcher="", idle_timeout_s=None, min_replicas=0,
+                               wake_timeout_s=0.0)
     return spec if spec.data_parallel else dataclasses.replace(spec, replicas=0)
 
 
@@ -53,7 +55,7 @@ def plan_reload(old: FleetSpec, new: FleetSpec) -> ReloadPlan:
 
 
 # applied by a reload: the token file is re-read; the launcher is the engines' (next spawn)
-LIVE_SUPERVISOR_KEYS = ("api_key_file", "control_token_file", "launcher")
+LIVE_SUPERVISOR_KEYS = ("api_key_file", "control_token_file", "launcher", "memory_budget")
 
 
 def supervisor_changes(old: SupervisorSpec, new: SupervisorSpec) -> tuple[str, ...]:

@@ -43,6 +43,7 @@ from engined.supervisor.spec.model import (
     ProbeSpec,
     SupervisorSpec,
 )
+from engined.supervisor.spec.ondemand import check_budget, check_group
 from engined.supervisor.spec.source import _describe, _join
 from engined.supervisor.spec.upstreams import upstreams
 
@@ -74,6 +75,9 @@ def _resolve(root: Any, lines: Mapping[str, int], source: str,
     defaults = _defaults(problems, top.get("defaults"))
     engines = _engines(problems, top, defaults, gpus)
     _check_replica_ports(problems, supervisor, engines)
+    budget = supervisor.memory_budget
+    if budget is not _BAD:
+        check_budget(problems, (budget.host, budget.gpu), engines)
     problems.raise_if_any(source, lines)
     if supervisor.launcher is not _BAD:
         engines = tuple(e if e.is_command or e.launcher else
@@ -277,6 +281,7 @@ def _group(
         if probe not in (None, _BAD) and probe_at and probe_at.startswith(path + "."):
             problems.add(probe_at, "probe applies to command engines only (engined's own "
                                    "engines heartbeat)")
+    check_group(problems, settings, replicas, path, "command" in section)
     standby, standby_at = settings["standby"]
     dp = settings["data_parallel"][0]
     if standby not in (0, _BAD) and dp is True:

@@ -203,7 +203,8 @@ def restore(replica: Replica, saved: snapshot.Replica, watcher: ChildWatcher,
         if state is EngineState.FAILED:
             replica.restore(saved.incarnation, desired, state, fail_reason=saved.fail_reason)
         elif desired is not Desired.RUN:
-            replica.restore(saved.incarnation, desired, EngineState.STOPPED)
+            replica.restore(saved.incarnation, desired, EngineState.ASLEEP
+                            if desired is Desired.ASLEEP else EngineState.STOPPED)
         elif saved.restart_in_s is not None:
             reason = Reason(saved.restart_reason) if saved.restart_reason is not None else None
             due = now_mono + max(0.0, saved.restart_in_s)
