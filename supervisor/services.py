@@ -30,6 +30,7 @@ from aiohttp import web
 from engined.supervisor.control.api import ControlContext, make_app
 from engined.supervisor.control.events import EventLog, transition
 from engined.supervisor.gateway.app import Gateway
+from engined.supervisor.gateway.lora import Lora
 from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.host.exits import ChildWatcher
 from engined.supervisor.host.fdreserve import FdReserve
@@ -46,10 +47,13 @@ from engined.supervisor.lifecycle.loopmonitor import LoopMonitor
 from engined.supervisor.lifecycle.notices import Notices, StateChange
 from engined.supervisor.lifecycle.probe import ProbeClient
 from engined.supervisor.lifecycle.replica import AddressBook, Replica, ReplicaDeps
+from engined.supervisor.lifecycle.state import EngineState
+from engined.supervisor.lifecycle.view import EngineView
 from engined.supervisor.logs import StdoutLines
 from engined.supervisor.observe.monitoring import MonitoringEndpoint
 from engined.supervisor.observe.sampler import Sampler
 from engined.supervisor.observe.systemd import Notifier
+from engined.supervisor.routing.adapters import AdapterBook
 from engined.supervisor.routing.ondemand import OnDemand
 from engined.supervisor.routing.replicas import Router
 from engined.supervisor.routing.routes import Routes
@@ -107,6 +111,7 @@ class Services:
     # what the gateway routes over: the router (the fleet's replicas), or a cluster gateway's
     # nodes (supervisor.cluster.services)
     routes: Routes = dataclasses.field(kw_only=True)
+    lora: Lora = dataclasses.field(kw_only=True)  # LoRA adapters: the gateway's and replays
 
     @classmethod
     def build(cls, spec: FleetSpec, paths: Paths, nofile: int | None,
@@ -129,6 +134,9 @@ class Services:
         execs.orphan_timeout_s = sup.orphan_timeout_s
         launcher = ForkServerLauncher(execs, paths.log_dir)
         stdout = StdoutLines() if sup.engine_logs == "stdout" else None
+        book = AdapterBook(lambda: ((g, members[0].adapters)
+                                    for g, members in fleet.spec.groups().items()))
+        book.changed, router.adapters = changed.set, book
         deps = ReplicaDeps(
             loop=loop, clock=clock, launcher=launcher, log_dir=paths.log_dir,
             control_endpoint=channels.control_endpoint,
@@ -137,24 +145,27 @@ class Services:
             heartbeat_timeout_s=sup.heartbeat_timeout_s, monitor=monitor, notices=notices,
             addresses=addresses, reaper=reaper, nvml=sampler.nvml, oom=OomWitness(),
             log_max_bytes=sup.log_max_bytes, log_backups=sup.log_backups, probes=probes,
-            in_flight=router.in_flight, counted=changed.set, stdout=stdout)
+            in_flight=router.in_flight, counted=changed.set, stdout=stdout,
+            adapters=book.of_group)
         fleet = Fleet(spec, lambda engine, owner: Replica(engine, deps, owner), clock, router,
                       addresses)
         events = EventLog()
         ondemand = OnDemand(fleet, router, clock, measure=lambda pids: measure(sampler, pids))
         router.waker = ondemand.for_request
         control = ControlContext(fleet, router, channels, sampler, events, paths.config,
-                                 reload=reload, fork_servers=launcher.describe)
-        control.ondemand = ondemand
+                                 reload=reload, fork_servers=launcher.describe, ondemand=ondemand)
         upstream = Upstream()
         routes = cls.gateway_routes(spec, router, upstream, clock)
+        lora = Lora(routes, book, channels, upstream, router.lives if routes is router else None)
         gateway = (Gateway(routes, channels, upstream, ApiKey(sup.api_key_file),
-                           clock.monotonic, on_counted=changed.set)
+                           clock.monotonic, on_counted=changed.set, lora=lora)
                    if sup.gateway is not None else None)
 
         def on_state(change: StateChange) -> None:
             events.publish({**transition(change.view, change.old.value),
                             **ondemand.on_state(change)})
+            if change.view.state is EngineState.READY:
+                replay_adapters(fleet, lora, change.view)
             notifier.status(status_line(fleet))
 
         events.on_publish = changed.set
@@ -162,11 +173,12 @@ class Services:
         notices.state.subscribe(router.on_state)
         notices.lost.subscribe(channels.on_lost)
         notices.lost.subscribe(upstream.on_lost)
+        notices.lost.subscribe(lambda lost: book.gone(lost.address))
         guard = GuardControl(watcher, paths.runtime_dir, sup.orphan_timeout_s)
         watcher.on_change.append(lambda pid, alive: changed.set())  # the snapshot is due
         return cls(clock, monitor, notifier, sampler, probes, watcher, reaper, guard, budget,
                    launcher, channels, router, fleet, events, control, upstream, gateway,
-                   ondemand, changed, notices=notices, stdout=stdout, routes=routes)
+                   ondemand, changed, notices=notices, stdout=stdout, routes=routes, lora=lora)
 
     # --- what a cluster gateway does its own way (supervisor.cluster.services) ---------------
     @classmethod
@@ -316,6 +328,25 @@ class Services:
         await self.upstream.close()
         await self.channels.close()
         self.notifier.close()
+
+
+_replays: set[asyncio.Task[None]] = set()
+
+
+def replay_adapters(fleet: Fleet, lora: Lora, view: EngineView) -> None:
+    """A replica became READY: what it holds is what its READY said; the adapters its group
+    serves that it lacks are loaded into it in the background (routing.adapters)."""
+    replica = fleet.replicas.get(view.name)
+    inc = replica.current if replica is not None else None
+    if inc is None:
+        return
+    ready = view.ready
+    lora.book.ready(inc.address, ready.adapters if ready is not None else [])
+    if any(not lora.book.holds(inc.address, n) for n in lora.book.of_group(view.group)):
+        life = (inc.address, ("127.0.0.1", inc.port or 0), view.command)
+        task = asyncio.get_running_loop().create_task(lora.replay(view.group, life))
+        _replays.add(task)
+        task.add_done_callback(_replays.discard)
 
 
 async def measure(sampler: Sampler, pids: list[int]) -> dict[int, tuple[int, dict[int, int]]]:

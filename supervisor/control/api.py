@@ -60,7 +60,8 @@ class ControlContext:
     def __init__(self, fleet: Fleet, router: Router, channels: EngineChannels, sampler: Sampler,
                  events: EventLog, config_path: str,
                  reload: Callable[[], Awaitable[dict]] | None = None,
-                 fork_servers: Callable[[], list[dict[str, Any]]] = list) -> None:
+                 fork_servers: Callable[[], list[dict[str, Any]]] = list,
+                 ondemand: SleepWake | None = None) -> None:
         self.fleet = fleet
         self.router = router
         self.channels = channels
@@ -74,7 +75,7 @@ class ControlContext:
         # the daemon's (supervisor.handover): an upgrade in place, and what status says of it
         self.upgrade: Callable[[asyncio.Event, float], Awaitable[dict]] | None = None
         self.handover_info: Callable[[], dict[str, Any]] = dict
-        self.ondemand: SleepWake | None = None  # sleep and wake (routing.ondemand)
+        self.ondemand = ondemand  # sleep and wake (routing.ondemand)
 
 
 def _error(status: int, message: str) -> web.Response:

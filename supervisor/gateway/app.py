@@ -28,6 +28,7 @@ from engined.supervisor import __version__
 from engined.supervisor.gateway import responses, serverstats, tokens
 from engined.supervisor.gateway.admission import Admission
 from engined.supervisor.gateway.choices import Choices
+from engined.supervisor.gateway.lora import Lora
 from engined.supervisor.gateway.openai import (
     ApiError,
     Batch,
@@ -41,6 +42,7 @@ from engined.supervisor.gateway.relay import Relay
 from engined.supervisor.gateway.stats import GatewayStats
 from engined.supervisor.gateway.upstream import Upstream
 from engined.supervisor.ipc import EngineChannels
+from engined.supervisor.routing.adapters import ADAPTER
 from engined.supervisor.routing.routes import PINNED, Routes, UnknownModel
 from engined.supervisor.webserver import ApiKey, BodyTimeout, read_body
 
@@ -56,7 +58,7 @@ class Gateway:
 
     def __init__(self, router: Routes, channels: EngineChannels, upstream: Upstream,
                  api_key: ApiKey, clock: Callable[[], float] = time.monotonic,
-                 on_counted: Callable[[], None] = lambda: None) -> None:
+                 on_counted: Callable[[], None] = lambda: None, lora: Lora | None = None) -> None:
         self.router, self.api_key, self.clock = router, api_key, clock
         self.admission = Admission(router, clock, on_counted)  # on_counted: a snapshot is due
         self.channels = channels
@@ -64,6 +66,7 @@ class Gateway:
         self.relay = Relay(router, channels, clock, on_move=moved)
         self.choices = Choices(self.relay, clock, first)
         self.proxy = Proxy(router, upstream, clock, on_move=moved, on_first=first)
+        self.lora = lora  # LoRA adapters' routes (gateway.lora)
 
     @property
     def stats(self) -> GatewayStats:
@@ -91,6 +94,9 @@ class Gateway:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.tokenize)
         app.router.add_get("/metrics", self.metrics)  # the inference gateway's protocol
+        if self.lora is not None:
+            app.router.add_post("/v1/load_lora_adapter", self.lora.load)
+            app.router.add_post("/v1/unload_lora_adapter", self.lora.unload)
         app.router.add_route("*", "/v1/{tail:.*}", self.by_model)  # the rest of a server's API
         return app
 
@@ -144,8 +150,10 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
+        adapters = self.lora.book.models() if self.lora is not None else {}
         data = [{"id": name, "object": "model", "created": created, "owned_by": "engined",
-                 "root": group} for name, group in sorted(self.router.models().items())]
+                 "root": group, **({"parent": group} if name in adapters else {})}
+                for name, group in sorted(self.router.models().items())]
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:
@@ -248,7 +256,10 @@ class Gateway:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' is required: one of GET /v1/models", param="model")
-        return model, self._group_of(model)
+        group = self._group_of(model)
+        if self.lora is not None and self.lora.book.models().get(model) == group:
+            ADAPTER.set(model)  # its requests go to replicas that hold it, and name it
+        return model, group
 
     def _group_of(self, model: str) -> str:
         try:

@@ -18,6 +18,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from engined.engine import protocol as proto
 from engined.supervisor.gateway.openai import ApiError, Job, Usage
 from engined.supervisor.ipc import (
@@ -28,6 +30,7 @@ from engined.supervisor.ipc import (
     RequestTooLarge,
     new_request_id,
 )
+from engined.supervisor.routing.adapters import ADAPTER
 from engined.supervisor.routing.routes import Lease, LostOn, NoReplica, Routes
 
 log = logging.getLogger("engined.gateway")
@@ -77,7 +80,8 @@ class Relay:
                 engine_id = new_request_id()  # a fresh id per attempt: never mixed up
                 try:
                     stream = self.channels.open(lease.address,
-                                                job.request(engine_id, list(delivered)),
+                                                with_adapter(job.request(engine_id,
+                                                                         list(delivered))),
                                                 wake=self.router.peers(lease))
                 except RequestTooLarge as exc:
                     raise ApiError(400, str(exc), code="request_too_large") from None
@@ -140,6 +144,12 @@ async def acquire(router: Routes, group: str, deadline: float,
         last = f" (its last attempt: {avoid.last})" if avoid.last else ""
         raise ApiError(503, f"{exc}{last}", kind="server_error", code="no_replica",
                        headers={"Retry-After": "5"}) from None
+
+
+def with_adapter(request: proto.GenerateRequest) -> proto.GenerateRequest:
+    """The request with the LoRA adapter its model names (routing.adapters), if it does."""
+    adapter = ADAPTER.get()
+    return request if adapter is None else msgspec.structs.replace(request, adapter=adapter)
 
 
 def moved(request_id: str, lost: str, moves: int, limit: int, delivered: int) -> int:

@@ -13,7 +13,7 @@ from engined.engine import protocol as proto
 from engined.supervisor import bodies
 from engined.supervisor import request_fields as fields
 from engined.supervisor.gateway.openai import ApiError, bad
-from engined.supervisor.gateway.relay import acquire, moved
+from engined.supervisor.gateway.relay import acquire, moved, with_adapter
 from engined.supervisor.ipc import (
     EngineChannels,
     RequestFailed,
@@ -70,7 +70,8 @@ async def ask(router: Routes, channels: EngineChannels, clock: Callable[[], floa
     while True:
         lease = await acquire(router, group, deadline, lost_on)
         try:
-            attempt = proto.GenerateRequest(**{**_fields(request), "id": new_request_id()})
+            attempt = with_adapter(proto.GenerateRequest(**{**_fields(request),
+                                                           "id": new_request_id()}))
             try:
                 stream = channels.open(lease.address, attempt)
             except RequestTooLarge as exc:

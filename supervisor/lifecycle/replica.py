@@ -135,6 +135,8 @@ class ReplicaDeps:
     # requests routed to an incarnation now (supervisor.routing counts them)
     in_flight: Callable[[Incarnation], int] = lambda incarnation: 0
     counted: Callable[[], None] = lambda: None  # a request counted (the state snapshot is due)
+    # a group's LoRA adapters, the spec's and those loaded at run time (routing.adapters)
+    adapters: Callable[[str], dict[str, str]] = lambda group: {}
 
     def liveness_for(self, spec: EngineSpec, incarnation: Callable[[], Incarnation]
                      ) -> LivenessStrategy:
@@ -523,4 +525,6 @@ def child_config(replica: Replica, number: int) -> proto.EngineConfig:
         heartbeat_interval_s=deps.heartbeat_interval_s, rendezvous=replica.owner.rendezvous,
         python=spec.python, backend=spec.backend,
         engine_args={key: json.loads(value) for key, value in spec.engine_args},
-        frontend_args={key: json.loads(value) for key, value in spec.frontend_args})
+        frontend_args={key: json.loads(value) for key, value in spec.frontend_args},
+        adapters={} if spec.is_command else {**dict(spec.adapters),
+                                             **deps.adapters(spec.group)})

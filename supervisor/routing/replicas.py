@@ -23,6 +23,7 @@ from engined.engine import protocol as proto
 from engined.supervisor.lifecycle.incarnation import Incarnation
 from engined.supervisor.lifecycle.notices import StateChange
 from engined.supervisor.lifecycle.replica import Replica
+from engined.supervisor.routing.adapters import ADAPTER, AdapterBook
 from engined.supervisor.routing.routes import (
     PINNED,
     BaseRouter,
@@ -56,6 +57,7 @@ class Router(BaseRouter):
         self.used: dict[str, float] = {}  # group -> when a request last came or ended (clock)
         # on-demand engines (routing.ondemand): wakes a group a request found nothing of
         self.waker: Callable[[str], Waking | None] | None = None
+        self.adapters: AdapterBook | None = None  # LoRA adapters (routing.adapters)
 
     def replicas(self) -> Iterable[Replica]:
         """The fleet's, in spec order."""
@@ -74,7 +76,18 @@ class Router(BaseRouter):
                 continue  # a server whose API the gateway does not speak
             if not replica.standby:
                 out.setdefault(spec.served_model_name or spec.group, spec.group)
+        if self.adapters is not None:
+            groups = set(out.values())
+            for name, group in self.adapters.models().items():
+                if group in groups:
+                    out.setdefault(name, group)
         return out
+
+    def lives(self, group: str) -> list[tuple[tuple[str, int], tuple[str, int], bool]]:
+        """The group's serving incarnations: (address, HTTP endpoint, a command engine)."""
+        return [(inc.address, ("127.0.0.1", inc.port or 0), r.spec.is_command)
+                for r in self._replicas()
+                if r.spec.group == group and (inc := r.serving()) is not None]
 
     def route_of(self, group: str) -> Route:
         """From the spec of the group's first replica (made again when a reload changed it)."""
@@ -99,8 +112,10 @@ class Router(BaseRouter):
         one with memory to spare before one without (`memory_pressed`).
         `avoid`: incarnations this request was lost on, while liveness may still be deciding
         about them (routes.LostOn)."""
+        adapter, book = ADAPTER.get(), self.adapters
         candidates = [(r, inc) for r in replicas
-                      if (inc := self.routable(r, named)) is not None and inc not in avoid]
+                      if (inc := self.routable(r, named)) is not None and inc not in avoid
+                      and (adapter is None or book is None or book.holds(inc.address, adapter))]
         if not candidates:
             return None
         replica, inc = self.least(candidates, lambda pair: (

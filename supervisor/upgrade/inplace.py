@@ -175,7 +175,7 @@ class InPlace:
             reloads=s.control.generation, events=list(s.events.recent),
             events_total=s.events.total, counters=self._counters(cut), fds=fds,
             handover_started=time.time() - (time.monotonic() - started),
-            fork_servers=s.launcher.hand_over())
+            fork_servers=s.launcher.hand_over(), adapters=s.lora.book.loaded)
         keep = [fds.lock, guard_fd, *held.values(),
                 *(fd for fds_ in connections.values() for fd in fds_),
                 *(server["channel_fd"] for server in saved.fork_servers)] + [
@@ -197,7 +197,8 @@ class InPlace:
         return handover.capture(
             s.fleet.replicas.values(), s.clock.monotonic(), handovers=self.handovers,
             reloads=s.control.generation, events=list(s.events.recent),
-            events_total=s.events.total, counters=self._counters(0))
+            events_total=s.events.total, counters=self._counters(0),
+            adapters=s.lora.book.loaded)
 
     def _counters(self, cut: int) -> snapshot.Counters:
         s = self.d.services
@@ -228,6 +229,7 @@ class InPlace:
         servers = s.launcher.adopt(saved.fork_servers)
         if servers:
             log.info("[upgrade] fork server(s) %s handed over", ", ".join(map(str, servers)))
+        s.lora.book.restore(saved.adapters)  # before any replica READY asks what it lacks
         by_name = {r.name: r for r in saved.replicas}
         for name, replica in s.fleet.replicas.items():
             record = by_name.pop(name, None)

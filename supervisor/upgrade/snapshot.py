@@ -110,6 +110,7 @@ class Snapshot(Struct, kw_only=True):
     handover_started: float | None = None  # unix time the old code stopped accepting
     fork_servers: list[dict[str, Any]] = []  # ready fork servers handed across an exec
     fds: Fds | None = None
+    adapters: dict[str, dict[str, str]] = {}  # run-time LoRA adapters: group -> name -> dir
 
 
 _ENCODER = msgspec.json.Encoder()
