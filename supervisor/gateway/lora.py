@@ -46,11 +46,13 @@ class Lora:
             raise ApiError(400, f"lora_path {path!r} is not an adapter's directory (an absolute "
                                 f"path holding adapter_config.json)", param="lora_path")
         if self.router.models().get(name, group) != group or name in self.router.models() \
-                and name not in self.book.of_group(group):
+                and name not in self.book.served(group):
             raise ApiError(400, f"'{name}' already names a model served here", param="lora_name")
-        known = self.book.of_group(group).get(name)
+        known = self.book.served(group).get(name)
         if known is not None and known != path:
-            raise ApiError(400, f"the adapter '{name}' is loaded from {known}: unload it first",
+            how = "change it in the spec (adapters:) and reload" \
+                if name in self.book.declared(group) else "unload it first"
+            raise ApiError(400, f"the adapter '{name}' is loaded from {known}: {how}",
                            param="lora_name")
         errors = await self._everywhere(group, name, path)
         if errors and len(errors) == len(self._lives(group)):
@@ -69,7 +71,7 @@ class Lora:
         if name in self.book.declared(group):
             raise ApiError(400, f"the adapter '{name}' is in the spec (adapters:): remove it "
                                 f"there and reload", param="lora_name")
-        if name not in self.book.of_group(group):
+        if name not in self.book.served(group):
             raise ApiError(404, f"no adapter '{name}' is loaded", param="lora_name",
                            code="not_found")
         self.book.remove(group, name)
@@ -90,6 +92,9 @@ class Lora:
         else:
             owners = {g for n, g in self.book.models().items() if n == name}
             groups = owners or {g for g in models.values() if self._takes(g)}
+            if not groups:
+                raise ApiError(400, "no model served here takes LoRA adapters: they need "
+                                    "backend: vllm (or a vLLM server)", param="model")
             if len(groups) != 1:
                 raise ApiError(400, "name the base model ('model': one of GET /v1/models): "
                                     f"{len(groups)} could take the adapter", param="model")

@@ -14,12 +14,17 @@ router's pick).
 from __future__ import annotations
 
 import contextvars
+import logging
+import os
 from collections.abc import Callable, Iterable
 
 # the adapter the request being handled asks for (None: the base model), set by the gateway
 ADAPTER: contextvars.ContextVar[str | None] = contextvars.ContextVar("adapter", default=None)
 
 Address = tuple[str, int]
+CONFIG_FILE = "adapter_config.json"  # what makes a directory an adapter (engine.adapters)
+
+log = logging.getLogger("engined.routing")
 
 
 class AdapterBook:
@@ -29,18 +34,41 @@ class AdapterBook:
         self.loaded: dict[str, dict[str, str]] = {}  # group -> name -> dir, loaded at run time
         self.held: dict[Address, set[str]] = {}  # incarnation -> the adapters it holds
         self.changed: Callable[[], None] = lambda: None  # the state snapshot is due
+        self._missing: set[tuple[str, str]] = set()  # run-time ones whose directory went away
 
     def declared(self, group: str) -> dict[str, str]:
         return next((dict(pairs) for g, pairs in self._declared() if g == group), {})
 
-    def of_group(self, group: str) -> dict[str, str]:
+    def served(self, group: str) -> dict[str, str]:
         """Every adapter the group serves: the spec's, then the run time's."""
         return {**self.declared(group), **self.loaded.get(group, {})}
+
+    def of_group(self, group: str) -> dict[str, str]:
+        """What a replica of the group is given as it starts (its config), and brought up to
+        once READY: the spec's adapters, and the run time's whose directory still holds an
+        adapter_config.json. One whose directory went away since it was loaded is left out
+        (said once): in a config it would make every start of the group's replicas a config
+        error (exit 78: FAILED, never restarted). It stays served where it is held, and is
+        given again once its directory is back. (The spec's are the operator's config: one
+        of them gone is that error.)"""
+        run_time = {name: path for name, path in self.loaded.get(group, {}).items()
+                    if self._present(group, name, path)}
+        return {**self.declared(group), **run_time}
+
+    def _present(self, group: str, name: str, path: str) -> bool:
+        present = os.path.isfile(os.path.join(path, CONFIG_FILE))
+        if present:
+            self._missing.discard((group, name))
+        elif (group, name) not in self._missing:
+            self._missing.add((group, name))
+            log.warning("[lora] %s: adapter %s: %s holds no %s any more: replicas that start "
+                        "now start without it", group, name, path, CONFIG_FILE)
+        return present
 
     def models(self) -> dict[str, str]:
         """adapter name -> group."""
         groups = {g for g, _ in self._declared()} | set(self.loaded)
-        return {name: group for group in sorted(groups) for name in self.of_group(group)}
+        return {name: group for group in sorted(groups) for name in self.served(group)}
 
     def holds(self, address: Address, adapter: str) -> bool:
         return adapter in self.held.get(address, ())
