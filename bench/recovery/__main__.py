@@ -1,12 +1,14 @@
-"""Recovery and upgrade gaps: an engine's crash by launcher and with a warm standby, and new
-engined code put in place under load.
+"""Recovery and upgrade gaps: an engine's crash by launcher and with a warm standby, new engined
+code put in place under load, and a sleeping model's wake.
 
-    python -m bench.recovery [--quick] [-n KILLS] [--rounds N] [--vllm-python PATH] [--no-vllm]
+    python -m bench.recovery [--quick] [-n KILLS] [--rounds N] [--wakes N] [--vllm-python PATH]
+                             [--no-vllm]
 
 The run: for tiny-llama, then the vLLM backend (a full run; without its interpreter it is skipped
 and the report says so), an exec and a forkserver daemon side by side (sections 1-2), then a
-standby daemon (section 3); then the upgrade rounds (section 4, bench/recovery/upgrade.py); the
-tables and the summary of the targets.
+standby daemon (section 3); then the upgrade rounds (section 4, bench/recovery/upgrade.py); then
+engines on demand: a wake by kind, the vLLM kinds in a full run (section 5), a swap under load
+(section 6, bench/recovery/ondemand.py); the tables and the summary of the targets.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from bench.recovery.daemon import (
     vllm_backend,
 )
 from bench.recovery.measure import kill_once, measure_memory, teardown_floor
+from bench.recovery.ondemand import kinds, report_swap, report_wake, swap_section, wake_section
 from bench.recovery.tables import (
     Run,
     report_crash,
@@ -94,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="kills per launcher and promotions, per backend (default 5)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="upgrade rounds of each scenario (default 5)")
+    parser.add_argument("--wakes", type=int, default=None,
+                        help="timed wakes per kind of engine (default 5; --quick 3)")
     parser.add_argument("--vllm-python", default=None,
                         help="the vLLM venv's interpreter (default $ENGINED_VLLM_PYTHON, else "
                         "<repo>/.venv-vllm/bin/python)")
@@ -102,27 +107,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     n = args.n or (2 if args.quick else 5)
     rounds, clients = args.rounds or (1 if args.quick else 5), 4 if args.quick else 8
+    wakes, swaps = args.wakes or (3 if args.quick else 5), (1, 8) if args.quick else (3, 25)
     python, skipped, versions = vllm_python(args)
 
     r, tracker = Report(), Tracker()
     cleanup = Cleanup(tracker)
     cache = cleanup.scratch("erc")
     cpu_start = psutil.cpu_times()
-    r.header("engined recovery: crash by launcher, warm standby, upgrade under load", args.quick,
-             PROG, f"- kills per launcher and promotions: {n} per backend; upgrade rounds: "
-             f"{rounds} of each scenario, {clients} clients",
+    r.header("engined recovery: crash by launcher, warm standby, upgrade under load, on demand",
+             args.quick, PROG, f"- kills per launcher and promotions: {n} per backend; upgrade "
+             f"rounds: {rounds} of each scenario, {clients} clients; wakes: {wakes} per kind; "
+             f"swap: {swaps[0]} round(s) of 4 clients × {swaps[1]} requests per fleet",
              f"- tiny-llama: torch {version('torch')}, transformers {version('transformers')}; "
              "builtin:tiny-llama, float32, CPU, threads 1, max_batch_size 8",
              f"- vLLM backend: {python} ({versions}), bench.vllm's engine" if skipped is None
              else f"- vLLM backend: **skipped**: {skipped}")
     try:
-        build_checkpoint(cache)  # untimed, as an engine would on first use
+        checkpoint = build_checkpoint(cache)  # untimed, as an engine would on first use
         runs = [run_backend(tiny_backend(cache), n, cleanup)]
         if skipped is None:  # vLLM's files read once, untimed: no daemon pays for a cold cache
             subprocess.run([python, "-c", "import vllm.v1.engine.llm_engine"], cwd="/tmp",
                            env=serve_env(), capture_output=True, timeout=600, check=True)
             runs.append(run_backend(vllm_backend(python, cache), n, cleanup))
         upgrades = upgrade_section(cleanup, cache, rounds, clients, args.quick)
+        wake = wake_section(cleanup, kinds(cache, checkpoint, None if skipped else python), wakes)
+        swap = swap_section(cleanup, cache, swaps[0], 4, swaps[1])
     finally:
         leftovers = cleanup.close()
     r(f"- all CPUs {cpu_busy_pct(cpu_start):.0f} % busy during the run", "")
@@ -130,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     fleet = report_memory(r, runs)
     report_standby(r, runs)
     report_upgrade(r, upgrades, clients)
+    report_wake(r, wake, skipped)
+    report_swap(r, swap, 4)
     report_summary(r, runs, skipped, fleet, upgrade_summary(upgrades))
     return r.finish(leftovers, out_path(args, "recovery"))
 

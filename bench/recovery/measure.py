@@ -196,6 +196,5 @@ def measure_memory(d: Daemon, gen: Generate) -> dict[str, list[Mem]]:
     time.sleep(1.0)
     status = d.status()
     engines = [memory_of(e["pid"]) for e in status["engines"] if e.get("pid")]
-    servers = [memory_of(s["pid"]) for s in d.fork_servers(status)
-               if s.get("pid") and s["state"] == "ready"]
+    servers = [memory_of(s["pid"]) for s in d.fork_servers(status) if s["state"] == "ready"]
     return {"engines": [m for m in engines if m], "servers": [m for m in servers if m]}

@@ -17,12 +17,9 @@ by outcome, the gap, what the clients saw, whether the daemon pid and the engine
 
 from __future__ import annotations
 
-import http.client
-import json
 import signal
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -31,128 +28,27 @@ from typing import Any
 
 import psutil
 
-from bench.common import BenchDaemon, BenchError, Cleanup, Tracker, wait_until
-from bench.recovery.daemon import REPLICAS, tiny_backend
+from bench.common import BenchError, Cleanup, Tracker, wait_until
+from bench.recovery.daemon import REPLICAS, GatewayDaemon, tiny_backend
+from bench.recovery.load import RETRY_S, Load, Req
 from bench.report import DASH, Report, counted, med, num, spread, table
-from testkit.driver import free_port, is_engine_of
+from testkit.driver import is_engine_of
 
 GROUP = "tiny"  # the group's name: the model name the gateway serves it under
 PROMPT = "upgrade benchmark: the quick brown fox jumps over the lazy dog"
 MAX_TOKENS = 16
-RETRY_S = 0.05  # a client waits this long after a failed request before its next one
-REQUEST_TIMEOUT_S = 120.0  # the clients' socket timeout (a bound, far above any request here)
 POLL_S = 0.05  # the bench's status poll while an event runs
 A, B, C = "A", "B", "C"
 LABELS = {A: "A: upgrade in place", B: "B: SIGTERM + new daemon", C: "C: SIGKILL + new daemon"}
 
 
-# --- the load -------------------------------------------------------------------------------------
-@dataclass
-class Req:
-    start: float  # time.time() when the request was sent (its connection opened, if new)
-    end: float  # when its answer was read to the end, or it failed
-    kind: str  # ok | refused | reset | http | cut | timeout | other
-    detail: str = ""  # the failure: HTTP status, exception type and message
-    streamed: bool = False
-    client: int = 0  # which client thread sent it
-
-    @property
-    def ok(self) -> bool:
-        return self.kind == "ok"
-
-
-class Load:
-    """K client threads, each with its own keep-alive `http.client` connection to the gateway,
-    looping `/v1/completions` (alternately streamed and not) until stopped; every request is
-    kept as a `Req`. After a failure a client closes its connection and waits RETRY_S."""
-
-    def __init__(self, port: int, clients: int) -> None:
-        self.port = port
-        self.reqs: list[Req] = []
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True,
-                                         name=f"client-{i}") for i in range(clients)]
-
-    def start(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def stop(self) -> None:
-        self.stopping.set()
-        for t in self.threads:
-            t.join(REQUEST_TIMEOUT_S + 10)
-        if any(t.is_alive() for t in self.threads):
-            raise BenchError("a client thread did not finish its request")
-
-    def snapshot(self) -> list[Req]:
-        with self.lock:
-            return list(self.reqs)
-
-    def _client(self, i: int) -> None:
-        conn: http.client.HTTPConnection | None = None
-        k = i
-        while not self.stopping.is_set():
-            streamed = k % 2 == 1
-            k += 1
-            if conn is None:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port,
-                                                  timeout=REQUEST_TIMEOUT_S)
-            start = time.time()
-            kind, detail = self._once(conn, streamed)
-            req = Req(start, time.time(), kind, detail, streamed, i)
-            with self.lock:
-                self.reqs.append(req)
-            if not req.ok:
-                conn.close()
-                conn = None
-                self.stopping.wait(RETRY_S)
-        if conn is not None:
-            conn.close()
-
-    @staticmethod
-    def _once(conn: http.client.HTTPConnection, streamed: bool) -> tuple[str, str]:
-        body = json.dumps({"model": GROUP, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
-                           "temperature": 0, "stream": streamed})
-        try:
-            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                text = resp.read()[:200].decode(errors="replace")
-                return "http", f"HTTP {resp.status}: {text}"
-            if not streamed:
-                answer = json.loads(resp.read())
-                return ("ok", "") if answer.get("choices") else ("other", f"no choices: {answer}")
-            done = False
-            for line in resp:  # SSE: `data: {...}` lines, then `data: [DONE]`
-                done = done or line.strip() == b"data: [DONE]"
-            return ("ok", "") if done else ("cut", "the stream ended without data: [DONE]")
-        except ConnectionRefusedError as exc:
-            return "refused", f"{type(exc).__name__}: {exc}"
-        except (ConnectionResetError, BrokenPipeError) as exc:  # RemoteDisconnected included
-            return "reset", f"{type(exc).__name__}: {exc}"
-        except http.client.IncompleteRead as exc:
-            return "cut", f"IncompleteRead: {exc!r}"[:200]
-        except TimeoutError as exc:
-            return "timeout", f"{type(exc).__name__}: {exc}"
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            return "other", f"{type(exc).__name__}: {exc}"[:200]
-
-
 # --- the fleet ------------------------------------------------------------------------------------
-class Fleet(BenchDaemon):
-    """engined with 2 tiny-llama replicas, `supervisor.launcher: forkserver`, the gateway on a
-    free loopback port, in /tmp/euXXXXXXXX. One object for the whole run: B and C start a new
-    daemon on the same spec file, runtime directory and port."""
-
-    log_lines = 30
+class Fleet(GatewayDaemon):
+    """2 tiny-llama replicas behind the gateway, in /tmp/euXXXXXXXX. One object for the whole
+    run: B and C start a new daemon on the same spec file, runtime directory and port."""
 
     def __init__(self, cache: Path, tracker: Tracker) -> None:
-        self.gateway_port = free_port()
-        super().__init__("eu", tracker, [tiny_backend(cache).spec], status_timeout_s=30.0,
-                         supervisor={"gateway": f"127.0.0.1:{self.gateway_port}",
-                                     "launcher": "forkserver"})
+        super().__init__("eu", tracker, [tiny_backend(cache).spec])
         self.log_engines = (f"{GROUP}-0",)
         self.start_timeout_s, self.start_interval_s = 300.0, POLL_S
 
@@ -161,11 +57,7 @@ class Fleet(BenchDaemon):
         the fork servers."""
         out = {}
         status = self.status()
-        servers = {s["pid"] for s in status["supervisor"].get("fork_servers") or []
-                   if s.get("pid")}
-        for pid in servers:
-            self.server_pids.add(pid)
-            self.tracker.add(pid)
+        servers = {s["pid"] for s in self.fork_servers(status)}
         for e in status["engines"]:
             if e["pid"] is not None:
                 self.tracker.add(e["pid"])
@@ -236,7 +128,8 @@ def load_round(d: Fleet, clients: int, warmup_s: float, settle_s: float,
                event: Any) -> tuple[float, float, float, list[Req], dict[str, float | None]]:
     """Warm up under load, run `event` (returns its trigger and done times and its facts), keep
     the load until every client was served after it, then `settle_s` more."""
-    load = Load(d.gateway_port, clients).start()
+    load = Load(d.gateway_port, clients, lambda i, k: (GROUP, (i + k) % 2 == 1), PROMPT,
+                MAX_TOKENS).start()
     try:
         wait_until(lambda: sum(q.ok for q in load.snapshot()) >= 2 * clients, 120,
                    "the clients' first answers", POLL_S)
@@ -247,8 +140,8 @@ def load_round(d: Fleet, clients: int, warmup_s: float, settle_s: float,
         time.sleep(settle_s)
         stopped = time.time()
     finally:
-        load.stop()
-    return trigger, done, stopped, load.snapshot(), facts
+        reqs = load.stop()
+    return trigger, done, stopped, reqs, facts
 
 
 def upgrade_in_place(d: Fleet) -> tuple[float, float, dict[str, float | None]]:

@@ -4,7 +4,9 @@ table with every row, and leave nothing running. Nothing here asserts speed; onl
 timing: every kill was followed by a restart through the launcher under test, every promotion took
 the standby's engine over, and of the daemon replacements: in place (A) the daemon keeps its pid,
 both engines are kept and adopted and no request fails; the old way (B) brings new engines; after
-a crash (C) the new daemon adopts both engines; nothing is restarted.
+a crash (C) the new daemon adopts both engines; nothing is restarted. On demand: echo and
+tiny-llama each woke 3 times (the vLLM kinds are the full run's); under the swap no request
+failed, the resident fleet never woke a model and the budgeted one did.
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ def test_recovery_quick(tmp_path: Path) -> None:
     restarts = row["engine restarts counted in the round (B: a new daemon counts from 0)"]
     assert (restarts[0], restarts[2], restarts[4]) == ("0", "0", "0"), restarts
     assert int(row["… answered ok"][2]) > 0 and int(row["… answered ok"][4]) > 0, row
+
+    (wake,) = tables(section(secs, "5. On demand: a wake"))
+    assert [(row[0], row[-1]) for row in wake] == [
+        ("builtin:echo (fork server)", "3"), ("builtin:tiny-llama (fork server)", "3"),
+        ("vLLM kinds", "0")], wake
+    (swap,) = tables(section(secs, "6. On demand: a swap under load"))
+    row = {r[0]: r[1:] for r in swap}
+    assert row["requests failed"][:2] == ["0", "0"], swap  # no request fails for a sleeping model
+    assert row["requests answered ok"][:2] == ["32", "32"], swap
+    wakes = row["wakes during the mix (a swap once 2 are awake)"]
+    assert wakes[0] == "0" and int(wakes[1]) > 0, swap
 
     (summary,) = tables(section(secs, "Summary"))
     verdicts = [r[-1] for r in summary if "crash → READY" in r[0] or "standby" in r[0]]
