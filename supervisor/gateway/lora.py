@@ -29,6 +29,15 @@ log = logging.getLogger("engined.gateway")
 TASK_TIMEOUT_S = 120.0  # loading an adapter reads its weights
 Address = tuple[str, int]
 Life = tuple[Address, tuple[str, int], bool]  # (incarnation, its HTTP endpoint, a command engine)
+# An engine re-attached after an upgrade is READY once the request channel reaches it, and a
+# send to it can still fail for a moment after (EHOSTUNREACH: seen in tests/e2e/test_lora.py):
+# a replay tries a task the channel could not send again, for this long.
+REPLAY_UNSENT_RETRY_S = 5.0
+UNSENT_RETRY_STEP_S = 0.02
+
+
+class _Unsent(Exception):
+    """The engine channel could not send the task: nothing reached the engine."""
 
 
 class Lora:
@@ -118,16 +127,27 @@ class Lora:
                                          for life in self._lives(group)))
         return [error for error in results if error is not None]
 
-    async def apply(self, life: Life, name: str, path: str | None) -> str | None:
-        """Load (`path`) or unload one adapter on one incarnation; the error, or None."""
+    async def apply(self, life: Life, name: str, path: str | None,
+                    unsent_retry_s: float = 0.0) -> str | None:
+        """Load (`path`) or unload one adapter on one incarnation; the error, or None.
+        `unsent_retry_s`: how long a task the engine channel cannot send yet is tried again."""
         address, endpoint, command = life
-        try:
-            if command:
-                error = await self._over_http(endpoint, name, path)
-            else:
-                error = await self._over_channel(address, name, path)
-        except (RequestFailed, asyncio.TimeoutError, OSError, ValueError) as exc:
-            error = f"{address[0]}: {exc or type(exc).__name__}"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + unsent_retry_s
+        while True:
+            try:
+                if command:
+                    error = await self._over_http(endpoint, name, path)
+                else:
+                    error = await self._over_channel(address, name, path)
+            except _Unsent as exc:
+                if loop.time() < deadline:
+                    await asyncio.sleep(UNSENT_RETRY_STEP_S)
+                    continue
+                error = f"{address[0]}: {exc}"
+            except (RequestFailed, asyncio.TimeoutError, OSError, ValueError) as exc:
+                error = f"{address[0]}: {exc or type(exc).__name__}"
+            break
         if error is None:
             held = self.book.held.setdefault(address, set())
             held.add(name) if path is not None else held.discard(name)
@@ -135,8 +155,11 @@ class Lora:
 
     async def _over_channel(self, address: Address, name: str, path: str | None) -> str | None:
         task = proto.TASK_LOAD_ADAPTER if path is not None else proto.TASK_UNLOAD_ADAPTER
-        stream = self.channels.open(address, proto.GenerateRequest(
-            new_request_id(), task=task, adapter=name, adapter_path=path or ""))
+        try:
+            stream = self.channels.open(address, proto.GenerateRequest(
+                new_request_id(), task=task, adapter=name, adapter_path=path or ""))
+        except RequestFailed as exc:
+            raise _Unsent(str(exc)) from None
         try:
             item = await stream.next(TASK_TIMEOUT_S)
         finally:
@@ -162,7 +185,7 @@ class Lora:
         missing = {n: p for n, p in self.book.of_group(group).items()
                    if not self.book.holds(life[0], n)}
         for name, path in missing.items():
-            error = await self.apply(life, name, path)
+            error = await self.apply(life, name, path, REPLAY_UNSENT_RETRY_S)
             if error is not None:
                 log.warning("[lora] %s: adapter %s not loaded on %s: %s", group, name,
                             life[0][0], error)

@@ -14,8 +14,11 @@ from typing import Any
 
 import pytest
 
+from engined.engine import protocol as proto
+from engined.supervisor.gateway import lora as lora_module
 from engined.supervisor.gateway.lora import Lora
 from engined.supervisor.gateway.openai import ApiError
+from engined.supervisor.ipc import RequestFailed
 from engined.supervisor.routing.adapters import AdapterBook
 from engined.supervisor.routing.routes import Route
 
@@ -173,3 +176,66 @@ def test_a_start_is_given_the_run_times_adapters_whose_directory_is_still_one(
     assert book.models() == {"a": "echo", "b": "echo", "sql": "echo"}
     (gone / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
     assert book.of_group("echo")["b"] == str(gone)
+
+
+class _Stream:
+    def __init__(self, result: proto.GenerateResult) -> None:
+        self.result = result
+
+    async def next(self, timeout_s: float) -> proto.GenerateResult:
+        return self.result
+
+    def close(self) -> None:
+        pass
+
+
+class _Channels:
+    """An engine channel that cannot send the first `unsent` tasks (as right after an adopted
+    engine re-attached), then answers each with `error`."""
+
+    def __init__(self, unsent: int, error: str | None = None) -> None:
+        self.unsent, self.error, self.sent = unsent, error, 0
+
+    def open(self, address: tuple[str, int], request: proto.GenerateRequest) -> _Stream:
+        if self.unsent:
+            self.unsent -= 1
+            raise RequestFailed(f"cannot send to {address[0]}:{address[1]}: Host unreachable")
+        self.sent += 1
+        return _Stream(proto.GenerateResult(request.id, address[0], address[1],
+                                            error=self.error))
+
+
+LIFE = (("echo-0", 1), ("127.0.0.1", 0), False)
+
+
+def _replayed(lora: Lora) -> None:
+    asyncio.run(lora.replay("echo", LIFE))
+
+
+def test_a_replay_tries_a_task_the_channel_could_not_send_yet_again(adapter: str):
+    lora = _lora(["echo"])
+    lora.book.add("echo", "a", adapter)
+    lora.channels = _Channels(unsent=3)  # type: ignore[assignment]
+    _replayed(lora)
+    assert lora.book.holds(LIFE[0], "a") and lora.channels.sent == 1  # type: ignore[attr-defined]
+
+
+def test_a_replay_does_not_retry_what_the_engine_refused_and_gives_up_on_an_unsent_one(
+        adapter: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    lora = _lora(["echo"])
+    lora.book.add("echo", "a", adapter)
+    refusing = _Channels(unsent=0, error="adapter 'a': no")
+    lora.channels = refusing  # type: ignore[assignment]
+    _replayed(lora)
+    assert refusing.sent == 1 and not lora.book.holds(LIFE[0], "a")
+    monkeypatch.setattr(lora_module, "REPLAY_UNSENT_RETRY_S", 0.05)
+    lora.channels = _Channels(unsent=1_000_000)  # type: ignore[assignment]
+    with caplog.at_level("WARNING", "engined.gateway"):
+        _replayed(lora)
+    assert not lora.book.holds(LIFE[0], "a")
+    assert "[lora] echo: adapter a not loaded on echo-0: echo-0: cannot send to echo-0:1: " \
+           "Host unreachable" in caplog.text
+    # a load through the gateway is not retried: its answer says what happened at once
+    lora.channels = _Channels(unsent=1)  # type: ignore[assignment]
+    assert asyncio.run(lora.apply(LIFE, "a", adapter)) == (
+        "echo-0: cannot send to echo-0:1: Host unreachable")
