@@ -54,6 +54,18 @@ class AutojumpLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         return self.now
 
+    def _run_once(self) -> None:
+        # asyncio runs a timer up to its clock resolution (1 ns) early. A real clock has moved
+        # on by the time the callback looks at it; a virtual one has not, so a wait for a
+        # deadline that lands a hair short of it (0.1 s steps add up to 29.99999999999 s)
+        # would time out, find the deadline not yet reached, and wait again forever. Time
+        # reaches a timer that fires early.
+        if self._scheduled:
+            when = self._scheduled[0].when()
+            if self.now < when < self.now + self._clock_resolution:  # type: ignore[attr-defined]
+                self.now = when
+        super()._run_once()  # type: ignore[misc]
+
 
 class VirtualClock:
     """The lifecycle's Clock on an AutojumpLoop (or any loop: it reads loop.time())."""
