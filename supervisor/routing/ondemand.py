@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Container, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from engined.supervisor.histogram import Histogram
@@ -38,6 +39,8 @@ from engined.supervisor.routing.routes import Waking
 
 log = logging.getLogger("engined.ondemand")
 
+# where a process's memory is free again (a wake waiting for it goes on)
+_AT_REST = (EngineState.ASLEEP, EngineState.STOPPED, EngineState.BACKOFF, EngineState.FAILED)
 TICK_S = 1.0  # how often idleness, load and the budget are looked at
 WAKE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 Pool = str  # "host", or "gpu:N"
@@ -94,11 +97,17 @@ class MemoryBudget:
         pools = sorted({p for r in self.fleet.replicas.values() for p in self.pools(r)})
         return [(p, self.room(p), self.used(p)[0]) for p in pools]
 
-    def never_fits(self, members: list[Replica]) -> str | None:
+    def need(self, members: Iterable[Replica]) -> collections.Counter[Pool]:
+        """What `members` hold together (or will, awake), per pool."""
         need: collections.Counter[Pool] = collections.Counter()
         for replica in members:
             need.update(self.pools(replica))
-        for pool, n in need.items():
+        return need
+
+    def never_fits(self, members: list[Replica]) -> str | None:
+        """Why `members` could not wake even with every other engine asleep (None: they
+        could)."""
+        for pool, n in self.need(members).items():
             room = self.room(pool)
             if room is not None and n > room:
                 name = members[0].spec.served_model_name or members[0].spec.group
@@ -122,6 +131,94 @@ class MemoryBudget:
                 seen[pool] = max(seen.get(pool, 0), n)
 
 
+@dataclass
+class Room:
+    """What a wake needs of the budget: the replicas to put to sleep first, and why it cannot
+    wake yet (None: it fits now)."""
+
+    victims: list[Replica] = field(default_factory=list)
+    blocked: str | None = None
+    freeing: bool = False  # it waits only for engines going to sleep (else for busy ones)
+
+
+def sleepable(members: list[Replica]) -> list[Replica]:
+    """The group's awake replicas that may sleep (never below its min_replicas)."""
+    floor = members[0].spec.min_replicas
+    return [r for r in members if r.spec.rank >= floor and r.wanted]
+
+
+class Swap:
+    """Which idle on-demand groups make room for a wake (a plan: OnDemand carries it out): the
+    least recently used first (the last request that came or ended), never one with a request
+    in flight or waiting, one waking, one without idle_timeout, nor a group's min_replicas; a
+    data-parallel gang whole. Nothing is put to sleep for a wake that would still not fit."""
+
+    def __init__(self, budget: MemoryBudget, router: Router,
+                 groups: Callable[[], dict[str, list[Replica]]], waking: Container[str]) -> None:
+        self.budget, self.router, self.groups, self.waking = budget, router, groups, waking
+
+    def busy(self, group: str, members: Iterable[Replica]) -> bool:
+        """A request in flight on it, or admitted and waiting for it."""
+        return self.router.queued[group] > 0 or any(self.router.load(r) for r in members)
+
+    def candidates(self, pool: Pool, keep: Container[str]) -> Iterator[list[Replica]]:
+        """Each idle group's replicas that would sleep to free memory in `pool`, least
+        recently used first."""
+        groups = self.groups()
+        for group in sorted(groups, key=lambda g: self.router.used.get(g, 0.0)):
+            members = groups[group]
+            if group in keep or not members[0].spec.on_demand or self.busy(group, members) \
+                    or any(r.name in self.waking for r in members):
+                continue
+            sleepers = sleepable(members)
+            held = [r for r in sleepers if pool in self.budget.pools(r)]
+            if held:  # a gang sleeps whole, whatever pool its ranks hold memory in
+                yield sleepers if members[0].spec.data_parallel else held
+
+    def frees(self, replicas: Iterable[Replica], pool: Pool) -> int:
+        return sum(self.budget.pools(r).get(pool, 0) for r in replicas)
+
+    def victims(self, pool: Pool, short: int, keep: Container[str],
+                chosen: list[Replica]) -> int:
+        """Add to `chosen` what frees `short` bytes in `pool`; returns what is still short."""
+        for sleepers in self.candidates(pool, keep):
+            if short <= 0:
+                break
+            new = [r for r in sleepers if r not in chosen]
+            chosen += new
+            short -= self.frees(new, pool)
+        return short
+
+    def plan(self, group: str, waking: list[Replica]) -> Room:
+        """What `waking` (sleeping replicas of `group`) needs to wake."""
+        never = self.budget.never_fits(waking)
+        if never is not None:
+            return Room(blocked=never)
+        need = self.budget.need(waking)
+        chosen: list[Replica] = []
+        full: set[Pool] = set()  # pools it fits in only once what is leaving has left
+        for pool, n in sorted(need.items()):
+            limit = self.budget.room(pool)
+            used, leaving = self.budget.used(pool)
+            if limit is None or used + n <= limit:
+                continue
+            full.add(pool)
+            short = used - leaving + n - limit - self.frees(chosen, pool)
+            if self.victims(pool, short, {group}, chosen) > 0:
+                return Room(blocked=f"{_bytes(n)} more does not fit in memory_budget."
+                                    f"{pool.split(':')[0]} {_bytes(limit)} ({_bytes(used)} "
+                                    f"held by engines busy or not on demand)")
+        going = [*chosen, *(r for r in waking if r.current is not None)] + [
+            r for r in self.budget.fleet.replicas.values()
+            if r.desired is Desired.ASLEEP and r.current is not None and r not in waking
+            and full & set(self.budget.pools(r))]
+        if not going:
+            return Room()
+        whose = "its" if len(going) == 1 else "their"
+        return Room(chosen, f"waiting for {', '.join(r.name for r in going)} to go to sleep "
+                            f"and free {whose} memory", True)
+
+
 class OnDemand:
     def __init__(self, fleet: Fleet, router: Router, clock: Clock,
                  measure: Measure | None = None) -> None:
@@ -134,6 +231,10 @@ class OnDemand:
         self._waking: dict[str, tuple[float, str]] = {}  # replica -> (asked at, reason)
         self._blocked: dict[str, str] = {}  # group -> why its wake waits (the budget)
         self.stuck: set[str] = set()  # groups whose wake waits for busy engines, not a sleep
+        # group -> the reason of a wake that waits for engines going to sleep: carried out
+        # when they are gone (an operator's or a burst's wake has no request to ask again)
+        self._pending: dict[str, str] = {}
+        self.swap = Swap(self.budget, router, self.groups, self._waking)
 
     # --- what the fleet is made of ------------------------------------------------------------
     def groups(self) -> dict[str, list[Replica]]:
@@ -143,10 +244,6 @@ class OnDemand:
                 out.setdefault(replica.spec.group, []).append(replica)
         return out
 
-    def busy(self, group: str, members: Iterable[Replica]) -> bool:
-        """A request in flight on it, or admitted and waiting for it."""
-        return self.router.queued[group] > 0 or any(self.router.load(r) for r in members)
-
     # --- waking -------------------------------------------------------------------------------
     def for_request(self, group: str) -> Waking | None:
         """A request found no replica of `group` to serve it: wake what sleeps. None when
@@ -155,7 +252,13 @@ class OnDemand:
         if not any(r.desired is Desired.ASLEEP or r.name in self._waking for r in members):
             return None
         spec = members[0].spec
-        self.wake(group, "request")
+        # hopeless: nothing of it awake, and not even the least it can wake (one replica, a
+        # whole gang) would ever fit
+        unit = members if spec.data_parallel else \
+            [r for r in members if r.desired is Desired.ASLEEP][:1]
+        hopeless = None if any(r.wanted for r in members) else self.budget.never_fits(unit)
+        if hopeless is None:
+            self.wake(group, "request")
         deadline = self.clock.monotonic() + spec.wake_timeout_s
         name = spec.served_model_name or group
 
@@ -163,9 +266,10 @@ class OnDemand:
             blocked = self._blocked.get(group)
             return (f"the model '{name}' is asleep and did not wake within its wake_timeout "
                     f"({spec.wake_timeout_s:g}s): " + (blocked or "it is still starting"))
-        def retry() -> None:
-            self.wake(group, "request", quiet=True)
-        return Waking(deadline, why, self.budget.never_fits(members), retry)
+        def retry() -> None:  # nothing of it woke yet (the budget, a sleep still stopping)
+            if not any(r.wanted for r in self.groups().get(group, [])):
+                self.wake(group, "request", quiet=True)
+        return Waking(deadline, why, hopeless, retry)
 
     def wake(self, name: str, reason: str, quiet: bool = False) -> list[Replica]:
         """Wake the sleeping replicas of a group (or one replica, or `all`) that fit in the
@@ -173,31 +277,59 @@ class OnDemand:
         woken = []
         for group, members in self._by_group(name).items():
             asleep = [r for r in members if r.desired is Desired.ASLEEP]
-            if not asleep or self.budget.never_fits(asleep):
+            if not asleep:
+                self._pending.pop(group, None)
                 continue
-            room = self._make_room(group, asleep)
-            if room is not None:
-                blocked, freeing = room
-                if self._blocked.get(group) != blocked and not quiet:
-                    log.warning("[ondemand] %s waits to wake: %s", group, blocked)
-                self._blocked[group] = blocked
-                if freeing:
-                    self.stuck.discard(group)
-                else:
-                    self.stuck.add(group)
+            chosen, room = self._fit(group, members, asleep)
+            self.sleep_replicas(room.victims, "budget")
+            if room.blocked is not None:
+                self._hold(group, room, reason, quiet)
                 continue
             self._blocked.pop(group, None)
             self.stuck.discard(group)
-            now = self.clock.monotonic()
-            for replica in asleep:
-                self._waking[replica.name] = (now, reason)
-                self.wakes[(replica.name, reason)] += 1
-                self.why_asleep.pop(replica.name, None)
-            self.router.used[group] = now
-            log.info("[ondemand] waking %s (%s)", ", ".join(r.name for r in asleep), reason)
-            self.fleet.groups[group].start(asleep)
-            woken += asleep
+            self._pending.pop(group, None)
+            self._start(group, chosen, reason)
+            woken += chosen
         return woken
+
+    def _fit(self, group: str, members: list[Replica],
+             asleep: list[Replica]) -> tuple[list[Replica], Room]:
+        """Which sleeping replicas wake, and what they need: a gang whole; of a plain group as
+        many as can wake now or once idle ones sleep (one at least: each fits, --check says)."""
+        if members[0].spec.data_parallel:
+            return asleep, self.swap.plan(group, asleep)
+        for k in range(len(asleep), 0, -1):
+            room = self.swap.plan(group, asleep[:k])
+            if room.blocked is None or room.freeing:
+                break
+        return asleep[:k], room
+
+    def _hold(self, group: str, room: Room, reason: str, quiet: bool) -> None:
+        """A wake that cannot happen now: why (status, the 503), and whether it is retried."""
+        assert room.blocked is not None
+        if self._blocked.get(group) != room.blocked and not quiet:
+            log.warning("[ondemand] %s waits to wake: %s", group, room.blocked)
+        self._blocked[group] = room.blocked
+        if room.freeing:
+            self.stuck.discard(group)
+            self._pending[group] = reason
+        else:  # only busy engines could make room: an operator is told at once
+            self.stuck.add(group)
+            self._pending.pop(group, None)
+
+    def _start(self, group: str, asleep: list[Replica], reason: str) -> None:
+        now = self.clock.monotonic()
+        for replica in asleep:
+            self._waking[replica.name] = (now, reason)
+            self.wakes[(replica.name, reason)] += 1
+            self.why_asleep.pop(replica.name, None)
+        self.router.used[group] = now
+        log.info("[ondemand] waking %s (%s)", ", ".join(r.name for r in asleep), reason)
+        self.fleet.groups[group].start(asleep)
+
+    def _retry_pending(self) -> None:
+        for group, reason in list(self._pending.items()):
+            self.wake(group, reason, quiet=True)
 
     def _by_group(self, name: str) -> dict[str, list[Replica]]:
         out: dict[str, list[Replica]] = {}
@@ -205,58 +337,13 @@ class OnDemand:
             out.setdefault(replica.spec.group, []).append(replica)
         return out
 
-    def _make_room(self, group: str, waking: list[Replica]) -> tuple[str, bool] | None:
-        """Put idle groups to sleep until `waking` fits: None when it fits now, else why not
-        and whether engines going to sleep will make the room (else only busy ones could)."""
-        need: collections.Counter[Pool] = collections.Counter()
-        for replica in waking:
-            need.update(self.budget.pools(replica))
-        for pool, n in need.items():
-            room = self.budget.room(pool)
-            if room is None:
-                continue
-            used, leaving = self.budget.used(pool)
-            if used + n <= room:
-                continue
-            if used - leaving + n > room:
-                self._evict(pool, used - leaving + n - room, keep={group})
-                used, leaving = self.budget.used(pool)
-            what = f"memory_budget.{pool.split(':')[0]} {_bytes(room)}"
-            if used - leaving + n > room:
-                return (f"{_bytes(n)} more does not fit in {what} ({_bytes(used)} held by "
-                        f"engines busy or not on demand)", False)
-            return f"waiting for {_bytes(leaving)} to be freed by engines going to sleep", True
-        return None
-
-    def _evict(self, pool: Pool, need: int, keep: set[str]) -> int:
-        """Put the least recently used idle on-demand groups holding memory in `pool` to sleep
-        until `need` bytes will be freed; returns the bytes they free."""
-        freed = 0
-        groups = self.groups()
-        order = sorted((g for g in groups if g not in keep),
-                       key=lambda g: self.router.used.get(g, 0.0))
-        for group in order:
-            if freed >= need:
-                break
-            members = groups[group]
-            if not members[0].spec.on_demand or self.busy(group, members) \
-                    or any(r.name in self._waking for r in members):
-                continue
-            sleepers = [r for r in self._sleepable(members) if pool in self.budget.pools(r)]
-            if sleepers:
-                freed += sum(self.budget.pools(r)[pool] for r in sleepers)
-                self.sleep_replicas(sleepers, "budget")
-        return freed
-
-    @staticmethod
-    def _sleepable(members: list[Replica]) -> list[Replica]:
-        floor = members[0].spec.min_replicas
-        return [r for r in members if r.spec.rank >= floor and r.wanted]
-
     # --- sleeping -----------------------------------------------------------------------------
     def sleep(self, name: str, reason: str = "operator") -> list[Replica]:
         """Put a replica, a group or `all` to sleep (an operator's: below min_replicas too)."""
-        replicas = [r for r in self.fleet.affected(name) if r.desired is not Desired.ASLEEP]
+        affected = self.fleet.affected(name)
+        for group in {r.spec.group for r in affected}:
+            self._pending.pop(group, None)  # a wake waiting for memory is called off
+        replicas = [r for r in affected if r.desired is not Desired.ASLEEP]
         self.sleep_replicas(replicas, reason)
         return replicas
 
@@ -275,11 +362,14 @@ class OnDemand:
         """A replica changed state: a wake ended (its time observed); the event's extra
         fields (`event: sleep|wake`, why)."""
         view, name = change.view, change.view.name
+        if self._pending and view.state in _AT_REST:  # memory came free: waiting wakes go on
+            asyncio.get_running_loop().call_soon(self._retry_pending)
         if view.state is EngineState.ASLEEP:
             return {"event": "sleep", "reason": self.why_asleep.get(name, "start")}
-        if change.old is EngineState.ASLEEP and view.state is EngineState.STARTING:
+        if change.old is EngineState.ASLEEP and view.state is not EngineState.STOPPED:
             return {"event": "wake", "reason": self._waking.get(name, (0.0, "operator"))[1]}
-        if name in self._waking and view.state in (EngineState.READY, EngineState.FAILED):
+        if name in self._waking and view.state in (EngineState.READY, EngineState.FAILED,
+                                                   EngineState.STOPPED):
             asked, _ = self._waking.pop(name)
             if view.state is EngineState.READY:
                 hist = self.wake_seconds.setdefault(name, Histogram(WAKE_BUCKETS))
@@ -304,12 +394,13 @@ class OnDemand:
             if self._full(group, members):
                 self.wake(group, "load", quiet=True)
             last = self.router.used.setdefault(group, now)
-            if self.busy(group, members) or now - last < (spec.idle_timeout_s or 0.0):
+            if self.swap.busy(group, members) or now - last < (spec.idle_timeout_s or 0.0):
                 continue
-            idle = [r for r in self._sleepable(members) if r.state is EngineState.READY]
+            idle = [r for r in sleepable(members) if r.state is EngineState.READY]
             if spec.data_parallel and len(idle) < len(members):
                 continue  # a gang sleeps whole, once every rank is READY
             self.sleep_replicas(idle, "idle")
+        self._retry_pending()
         if any(self.budget.limits):
             await self.budget.sample()
             self._keep_budget()
@@ -332,7 +423,9 @@ class OnDemand:
             if used - leaving > room:
                 waking = {r.spec.group for r in self.fleet.replicas.values()
                           if r.name in self._waking}
-                self._evict(pool, used - leaving - room, keep=waking)
+                victims: list[Replica] = []
+                self.swap.victims(pool, used - leaving - room, waking, victims)
+                self.sleep_replicas(victims, "budget")
 
     def budget_report(self) -> list[tuple[Pool, int | None, int]]:
         return self.budget.report()
