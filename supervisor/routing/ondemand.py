@@ -391,8 +391,9 @@ class OnDemand:
             spec = members[0].spec
             if not spec.on_demand:
                 continue
-            if self._full(group, members):
-                self.wake(group, "load", quiet=True)
+            if self._full(group, members):  # with nothing serving, requests wait for it
+                serving = any(r.serving() is not None for r in members)
+                self.wake(group, "load" if serving else "request", quiet=True)
             last = self.router.used.setdefault(group, now)
             if self.swap.busy(group, members) or now - last < (spec.idle_timeout_s or 0.0):
                 continue

@@ -37,7 +37,9 @@ class OnDemandWorld:
         w.router.waker = self.od.for_request
         self.events: list[tuple[float, str, dict[str, Any]]] = []  # (at, engine, its fields)
         self.auto_ready = True
-        w.notices.state.subscribe(self._on_state)
+        # before the router's, as supervisor.services subscribes them (a wake that waits for
+        # memory goes on before a waiting request looks again)
+        w.notices.state._subscribers.insert(0, self._on_state)
 
     def _on_state(self, change: StateChange) -> None:
         extra = self.od.on_state(change)
@@ -514,3 +516,20 @@ def test_nothing_is_evicted_for_a_wake_that_still_would_not_fit(tmp_path):
         assert h.state("x-0") is S.READY  # not put to sleep for nothing
         h.done(on_y)
     scenario(tmp_path, engines, body, supervisor=BUDGET_2G)
+
+
+def test_a_tick_that_wakes_a_model_nothing_of_which_serves_counts_a_request_not_load(tmp_path):
+    """Requests wait for a model nothing of which is awake (admitted, not yet placed; or held
+    back by the budget until the tick finds room): the tick's wake is theirs, `request`.
+    `load` says every awake replica was full, and none was awake. (The e2e mix met it: one
+    model's wake_seconds counted more wakes than its request and operator wakes.)"""
+    async def body(h: OnDemandWorld) -> None:
+        await h.w.start()
+        h.w.router.admit("b")
+        await h.od.tick()
+        await h.w.settle(1)
+        assert h.state("b-0") is S.READY
+        assert h.kinds("b-0") == [("wake", "request")]
+        assert h.od.wakes == {("b-0", "request"): 1}
+        h.w.router.leave("b")
+    scenario(tmp_path, [on_demand("b")], body)
