@@ -321,7 +321,6 @@ class OnDemand:
         now = self.clock.monotonic()
         for replica in asleep:
             self._waking[replica.name] = (now, reason)
-            self.wakes[(replica.name, reason)] += 1
             self.why_asleep.pop(replica.name, None)
         self.router.used[group] = now
         log.info("[ondemand] waking %s (%s)", ", ".join(r.name for r in asleep), reason)
@@ -349,7 +348,6 @@ class OnDemand:
 
     def sleep_replicas(self, replicas: list[Replica], reason: str) -> None:
         for replica in replicas:
-            self.sleeps[(replica.name, reason)] += 1
             self.why_asleep[replica.name] = reason
             self._waking.pop(replica.name, None)
             replica.stop(desired=Desired.ASLEEP)
@@ -359,15 +357,21 @@ class OnDemand:
 
     # --- what happens by itself ---------------------------------------------------------------
     def on_state(self, change: StateChange) -> dict[str, Any]:
-        """A replica changed state: a wake ended (its time observed); the event's extra
-        fields (`event: sleep|wake`, why)."""
+        """A replica changed state: a sleep or a wake happened (counted here, where its event
+        is told: a sleep that a start overtook before it was ASLEEP is neither), a wake ended
+        (its time observed); returns the event's extra fields (`event: sleep|wake`, why)."""
         view, name = change.view, change.view.name
         if self._pending and view.state in _AT_REST:  # memory came free: waiting wakes go on
             asyncio.get_running_loop().call_soon(self._retry_pending)
         if view.state is EngineState.ASLEEP:
-            return {"event": "sleep", "reason": self.why_asleep.get(name, "start")}
+            reason = self.why_asleep.get(name, "start")
+            self.sleeps[(name, reason)] += 1
+            return {"event": "sleep", "reason": reason}
         if change.old is EngineState.ASLEEP and view.state is not EngineState.STOPPED:
-            return {"event": "wake", "reason": self._waking.get(name, (0.0, "operator"))[1]}
+            # woken here, or by anyone else (`enginectl start`: an operator's)
+            _, reason = self._waking.setdefault(name, (self.clock.monotonic(), "operator"))
+            self.wakes[(name, reason)] += 1
+            return {"event": "wake", "reason": reason}
         if name in self._waking and view.state in (EngineState.READY, EngineState.FAILED,
                                                    EngineState.STOPPED):
             asked, _ = self._waking.pop(name)

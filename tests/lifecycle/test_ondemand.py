@@ -194,8 +194,8 @@ def test_min_replicas_stay_awake_and_a_burst_wakes_the_rest_for_load(tmp_path):
         for _ in range(2):
             h.w.router.admit("l")  # two more wait: 4 admitted > l-0's max_batch_size 2
         await h.od.tick()
-        assert h.od.wakes == {("l-1", "load"): 1, ("l-2", "load"): 1}
         await h.w.settle(1)
+        assert h.od.wakes == {("l-1", "load"): 1, ("l-2", "load"): 1}
         assert h.state("l-1") is S.READY and h.state("l-2") is S.READY
         assert h.kinds("l-1") == [("wake", "load")]
         for _ in range(2):
@@ -532,4 +532,26 @@ def test_a_tick_that_wakes_a_model_nothing_of_which_serves_counts_a_request_not_
         assert h.kinds("b-0") == [("wake", "request")]
         assert h.od.wakes == {("b-0", "request"): 1}
         h.w.router.leave("b")
+    scenario(tmp_path, [on_demand("b")], body)
+
+
+def test_events_and_counters_agree_whoever_wakes_or_stops_a_sleep(tmp_path):
+    """`enginectl start` of a sleeping engine is a wake too (event and counter, reason
+    operator, timed), and a start that overtakes a sleep still stopping is neither."""
+    async def body(h: OnDemandWorld) -> None:
+        h.w.launcher.behaviours["b-0"] = Behaviour(term_delay_s=2.0)
+        await h.w.start()
+        h.w.fleet.command("start", "b")  # asleep from the start: the operator's start wakes it
+        await h.w.until(lambda: h.state("b-0") is S.READY)
+        assert h.kinds("b-0") == [("wake", "operator")]
+        assert h.od.wakes == {("b-0", "operator"): 1} and h.od.wake_seconds["b-0"].n == 1
+        h.od.sleep("b")
+        await h.w.settle()
+        assert h.state("b-0") is S.STOPPING
+        h.w.fleet.command("start", "b")  # before it is asleep: it never was
+        await h.w.until(lambda: h.state("b-0") is S.READY)
+        assert h.w.states_of("b-0")[-3:] == ["STOPPING", "STARTING", "READY"]
+        assert h.kinds("b-0") == [("wake", "operator")]
+        assert h.od.sleeps == {} and h.od.wakes == {("b-0", "operator"): 1}
+        assert h.w.replica("b-0").view().restarts == 0
     scenario(tmp_path, [on_demand("b")], body)
