@@ -271,3 +271,32 @@ def test_an_upgrade_in_place_keeps_sleeping_engines_asleep(engined):
     assert d.engine("z-0")["state"] == "READY"
     assert d.ctl("sleep", "x").returncode == 0
     assert d.engine("x-0")["state"] == "ASLEEP"
+
+
+def test_a_model_measured_over_the_budget_is_put_to_sleep_and_then_told_at_once(engined):
+    """Without a memory_limit a model holds what it was measured to hold (resident memory of
+    its process tree): unknown until it is READY, so it wakes once; measured over the budget,
+    it is put to sleep when idle, and the next request gets a 503 at once naming the budget."""
+    gateway, http = free_port(), free_port()
+    d = engined([{"name": "m", "model": "builtin:echo", "idle_timeout": "1m"}],
+                supervisor={"gateway": f"127.0.0.1:{gateway}", "http": f"127.0.0.1:{http}",
+                            "memory_budget": {"host": "4MiB"}}, ready=False)
+    d.wait_state("m-0", "ASLEEP")
+    assert complete(client(gateway), "m")
+    asleep = d.wait_state("m-0", "ASLEEP", timeout_s=10)  # the next tick measures it
+    assert asleep["on_demand"]["reason"] == "budget", asleep
+    assert asleep["on_demand"]["held_bytes"] > 4 << 20, asleep
+    began = time.monotonic()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{gateway}/v1/completions", method="POST",
+        data=json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode(),
+        headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    assert time.monotonic() - began < 5  # at once, not at wake_timeout (5m)
+    body = info.value.read().decode()
+    assert info.value.code == 503 and info.value.headers["Retry-After"], (info.value, body)
+    assert "'m'" in body and "memory_budget.host" in body and "never wake" in body, body
+    assert d.engine("m-0")["state"] == "ASLEEP"
+    held = samples(http)[("engined_memory_budget_held_bytes", (("pool", "host"),))]
+    assert held == 0  # asleep: it holds nothing now
