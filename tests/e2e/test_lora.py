@@ -12,10 +12,7 @@ import json
 import os
 import shutil
 import signal
-import socket
 import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +20,7 @@ import openai
 import psutil
 import pytest
 
-from testkit.driver import Daemon, free_port
+from testkit.driver import Daemon, free_port, free_port_range, http_text
 
 PROMPT = "select 1"
 
@@ -35,42 +32,9 @@ def _adapter(directory: Path) -> Path:
     return directory
 
 
-def _free_range(count: int) -> int:
-    """A base port with `count` free loopback ports from it (supervisor.replica_ports)."""
-    for _ in range(50):
-        base = free_port()
-        if base + count > 65535:
-            continue
-        held = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                held.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no free range of loopback ports")
-
-
 def _client(port: int) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                          max_retries=0, timeout=30)
-
-
-def _post(port: int, route: str, body: Any) -> tuple[int, str]:
-    """A LoRA route: (status, the answer's text; vLLM's success answer is plain text)."""
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{route}",
-                                     data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def _error(answer: tuple[int, str]) -> tuple[int, dict[str, Any]]:
@@ -99,7 +63,7 @@ def _start(engined, root: Path, **supervisor: Any) -> tuple[Daemon, int, int]:
     behind the gateway and each on a port of its own; (daemon, gateway port, first replica
     port)."""
     _adapter(root / "sql")
-    gateway, base = free_port(), _free_range(2)
+    gateway, base = free_port(), free_port_range(2)
     d = engined([{"name": "echo", "replicas": 2, "model": "builtin:echo",
                   "adapters": {"sql": "../sql"}}],  # the spec is root/d0/fleet.yaml
                 supervisor={"gateway": f"127.0.0.1:{gateway}", "replica_ports": base,
@@ -133,10 +97,10 @@ def test_spec_and_runtime_adapters_answer_everywhere_survive_a_kill_and_unload(e
     assert chat.choices[0].message.content == "[sql] hello" and chat.model == "sql", chat
 
     poet = _adapter(short_tmp / "poet")
-    loaded = _post(gateway, "/v1/load_lora_adapter", {"lora_name": "poet",
+    loaded = _post_to(gateway, "/v1/load_lora_adapter", {"lora_name": "poet",
                                                       "lora_path": str(poet)})
     assert loaded == (200, "Success: LoRA adapter 'poet' added successfully."), loaded
-    assert _post(gateway, "/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": str(poet),
+    assert _post_to(gateway, "/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": str(poet),
                                                     "model": "echo"})[0] == 200  # idempotent
     models = _models(gateway)
     assert sorted(models) == ["echo", "poet", "sql"], models
@@ -153,31 +117,31 @@ def test_spec_and_runtime_adapters_answer_everywhere_survive_a_kill_and_unload(e
     assert _text(base, "poet") == answer and _text(base, "sql") == f"[sql] {PROMPT}"
     _every_replica_answers(gateway, base, "poet", answer)
 
-    assert _post(gateway, "/v1/unload_lora_adapter", {"lora_name": "poet"}) == (
+    assert _post_to(gateway, "/v1/unload_lora_adapter", {"lora_name": "poet"}) == (
         200, "Success: LoRA adapter 'poet' removed successfully.")
     assert sorted(_models(gateway)) == ["echo", "sql"]
     for port in (gateway, base, base + 1):
         with pytest.raises(openai.NotFoundError) as gone:
             _text(port, "poet")
         assert gone.value.code == "model_not_found", gone.value.body
-    status, error = _error(_post(gateway, "/v1/unload_lora_adapter", {"lora_name": "poet"}))
+    status, error = _error(_post_to(gateway, "/v1/unload_lora_adapter", {"lora_name": "poet"}))
     assert status == 404 and error["param"] == "lora_name", error
 
     # what is refused, and why
-    status, error = _error(_post(gateway, "/v1/load_lora_adapter", {
+    status, error = _error(_post_to(gateway, "/v1/load_lora_adapter", {
         "lora_name": "bad", "lora_path": str(short_tmp / "nowhere")}))
     assert status == 400 and error["param"] == "lora_path" and "lora_path" in error["message"]
-    status, error = _error(_post(gateway, "/v1/load_lora_adapter", {
+    status, error = _error(_post_to(gateway, "/v1/load_lora_adapter", {
         "lora_name": "bad", "lora_path": "sql"}))  # relative: not an adapter's directory
     assert status == 400 and error["param"] == "lora_path", error
-    status, error = _error(_post(gateway, "/v1/unload_lora_adapter", {"lora_name": "sql"}))
+    status, error = _error(_post_to(gateway, "/v1/unload_lora_adapter", {"lora_name": "sql"}))
     assert status == 400 and "in the spec" in error["message"], error
-    status, error = _error(_post(gateway, "/v1/load_lora_adapter", {"lora_path": str(poet)}))
+    status, error = _error(_post_to(gateway, "/v1/load_lora_adapter", {"lora_path": str(poet)}))
     assert status == 400 and error["param"] == "lora_name", error
-    status, error = _error(_post(gateway, "/v1/load_lora_adapter", {
+    status, error = _error(_post_to(gateway, "/v1/load_lora_adapter", {
         "lora_name": "poet", "lora_path": str(poet), "model": "nope"}))
     assert status == 404 and error["code"] == "model_not_found", error
-    status, error = _error(_post(gateway, "/v1/load_lora_adapter", {
+    status, error = _error(_post_to(gateway, "/v1/load_lora_adapter", {
         "lora_name": "echo", "lora_path": str(poet)}))  # the base model's own name
     assert status == 400 and error["param"] == "lora_name", error
     assert sorted(_models(gateway)) == ["echo", "sql"]  # nothing refused was recorded
@@ -192,7 +156,7 @@ def test_a_runtime_adapter_whose_directory_went_away_is_left_out_of_a_restart(en
     the next start has it again."""
     d, gateway, base = _start(engined, short_tmp)
     poet = _adapter(short_tmp / "poet")
-    assert _post(gateway, "/v1/load_lora_adapter", {"lora_name": "poet",
+    assert _post_to(gateway, "/v1/load_lora_adapter", {"lora_name": "poet",
                                                     "lora_path": str(poet)})[0] == 200
     config = (poet / "adapter_config.json").read_text()
     shutil.rmtree(poet)
@@ -219,18 +183,6 @@ def _saved_adapters(d: Daemon) -> dict[str, dict[str, str]]:
         return json.loads((d.runtime_dir / "state.json").read_text()).get("adapters", {})
     except (OSError, ValueError):
         return {}
-
-
-def _tree(d: Daemon) -> set[int]:
-    """Every process the daemon started, descendants too (killed by pid at the end)."""
-    pids = d.spawned_pids()
-    tree = set(pids)
-    for pid in pids:
-        try:
-            tree |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            pass
-    return tree
 
 
 def _both_replicas_hold(d: Daemon, gateway: int, model: str, want: str) -> None:
@@ -264,7 +216,7 @@ def test_a_runtime_adapter_survives_an_upgrade_a_kill_and_a_crash_adoption(engin
                   "adapters": {"sql": "../sql"}, "env": {"ENGINED_ECHO_TOKEN_MS": "20"}}],
                 supervisor={"gateway": f"127.0.0.1:{gateway}", "orphan_timeout": "60s"})
     poet = _adapter(short_tmp / "poet")
-    assert _post(gateway, "/v1/load_lora_adapter", {"lora_name": "poet",
+    assert _post_to(gateway, "/v1/load_lora_adapter", {"lora_name": "poet",
                                                     "lora_path": str(poet)})[0] == 200
     answer = f"[poet] {PROMPT}"
     assert _text(gateway, "poet") == answer
@@ -289,7 +241,7 @@ def test_a_runtime_adapter_survives_an_upgrade_a_kill_and_a_crash_adoption(engin
     d.wait_for(lambda: _saved_adapters(d) == {"echo": {"poet": str(poet)}}, 10,
                "the snapshot to have the adapter")
     before = _pids(d)
-    tree = _tree(d)
+    tree = d.spawned_tree()
     d.expect_unclean_exit = True
     d.signal(signal.SIGKILL)
     assert d.wait_exit(timeout_s=10) == -signal.SIGKILL
@@ -309,7 +261,7 @@ def test_a_runtime_adapter_survives_an_upgrade_a_kill_and_a_crash_adoption(engin
         d.wait_restarted("echo-0", before["echo-0"])
         _both_replicas_hold(d, gateway, "poet", answer)
         # unloaded under the adopting engined: gone, and not back after a restart
-        assert _post(gateway, "/v1/unload_lora_adapter", {"lora_name": "poet"})[0] == 200
+        assert _post_to(gateway, "/v1/unload_lora_adapter", {"lora_name": "poet"})[0] == 200
         victim = _pids(d)["echo-1"]
         os.kill(victim, signal.SIGKILL)
         d.wait_restarted("echo-1", victim)
@@ -324,3 +276,8 @@ def test_a_runtime_adapter_survives_an_upgrade_a_kill_and_a_crash_adoption(engin
                 psutil.Process(pid).kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def _post_to(port: int, route: str, body: Any) -> tuple[int, str]:
+    """A LoRA route: (status, the answer's text; vLLM's success answer is plain text)."""
+    return http_text("POST", f"http://127.0.0.1:{port}{route}", body)

@@ -39,13 +39,7 @@ def _kill_daemon(d) -> set[int]:
                 if e["pid"] is not None and e["state"] != "STOPPING"}
         return _saved(d) == live
     d.wait_for(same, 10, "the snapshot to show every live engine")
-    pids = d.spawned_pids()
-    tree = set(pids)
-    for pid in pids:
-        try:
-            tree |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            pass
+    tree = d.spawned_tree()
     d.expect_unclean_exit = True
     d.signal(signal.SIGKILL)
     assert d.wait_exit(timeout_s=10) == -signal.SIGKILL

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import urllib.request
 
@@ -16,30 +15,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from testkit.driver import BackgroundStream, free_port
+from testkit.driver import BackgroundStream, free_port, free_port_range
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _free_range(count: int) -> int:
-    """A base port with `count` free ports from it on loopback."""
-    for _ in range(50):
-        base = free_port()
-        if base + count > 65535:
-            continue
-        held = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                held.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no free range of loopback ports")
 
 
 def _samples(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -55,7 +33,7 @@ def _client(port: int) -> openai.OpenAI:
 
 
 def test_each_replica_on_a_port_of_its_own(engined):
-    base, gateway, http = _free_range(3), free_port(), free_port()
+    base, gateway, http = free_port_range(3), free_port(), free_port()
     d = engined([{"name": "echo", "replicas": 2, "model": "builtin:echo",
                   "env": {"ENGINED_ECHO_TOKEN_MS": "20"}},
                  {"name": "other", "model": "builtin:echo", "served_model_name": "other-model",

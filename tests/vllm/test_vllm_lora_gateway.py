@@ -9,35 +9,21 @@ seconds, so the whole story is one test with two vLLM starts (the first and the 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from testkit.driver import free_port, running_daemon
+from testkit.driver import free_port, http_text, running_daemon
 from testkit.lora import make_tiny_llama_adapter
 
 pytestmark = pytest.mark.vllm
 
 READY_TIMEOUT_S = 180.0
 PROMPT = "hello there"
-
-
-def _post(port: int, route: str, body: dict[str, Any]) -> tuple[int, str]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{route}",
-                                     data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def test_a_loaded_adapter_answers_its_own_way_across_a_kill_and_an_upgrade(
@@ -66,7 +52,7 @@ def test_a_loaded_adapter_answers_its_own_way_across_a_kill_and_an_upgrade(
             return done.choices[0].text
 
         base = greedy("vllm")
-        assert _post(gateway, "/v1/load_lora_adapter", {"lora_name": "one",
+        assert _post_to(gateway, "/v1/load_lora_adapter", {"lora_name": "one",
                                                         "lora_path": str(adapter)}) == (
             200, "Success: LoRA adapter 'one' added successfully.")
         models = {m.id: m.model_dump() for m in client.models.list()}
@@ -89,7 +75,11 @@ def test_a_loaded_adapter_answers_its_own_way_across_a_kill_and_an_upgrade(
         assert after["adopted_at"], after
         assert greedy("one") == one and greedy("vllm") == base
 
-        assert _post(gateway, "/v1/unload_lora_adapter", {"lora_name": "one"})[0] == 200
+        assert _post_to(gateway, "/v1/unload_lora_adapter", {"lora_name": "one"})[0] == 200
         with pytest.raises(openai.NotFoundError):
             greedy("one")
         assert greedy("vllm") == base
+
+
+def _post_to(port: int, route: str, body: dict[str, Any]) -> tuple[int, str]:
+    return http_text("POST", f"http://127.0.0.1:{port}{route}", body, timeout_s=120)
