@@ -135,7 +135,8 @@ class Services:
         launcher = ForkServerLauncher(execs, paths.log_dir)
         stdout = StdoutLines() if sup.engine_logs == "stdout" else None
         book = AdapterBook(lambda: ((g, members[0].adapters)
-                                    for g, members in fleet.spec.groups().items()))
+                                    for g, members in fleet.spec.groups().items()),
+                           spec_key=lambda: fleet.spec)
         book.changed, router.adapters = changed.set, book
         deps = ReplicaDeps(
             loop=loop, clock=clock, launcher=launcher, log_dir=paths.log_dir,
@@ -330,9 +331,6 @@ class Services:
         self.notifier.close()
 
 
-_replays: set[asyncio.Task[None]] = set()
-
-
 def replay_adapters(fleet: Fleet, lora: Lora, view: EngineView) -> None:
     """A replica became READY: what it holds is what its READY said; the adapters its group
     serves that it lacks are loaded into it in the background (routing.adapters)."""
@@ -343,10 +341,7 @@ def replay_adapters(fleet: Fleet, lora: Lora, view: EngineView) -> None:
     ready = view.ready
     lora.book.ready(inc.address, ready.adapters if ready is not None else [])
     if any(not lora.book.holds(inc.address, n) for n in lora.book.of_group(view.group)):
-        life = (inc.address, ("127.0.0.1", inc.port or 0), view.command)
-        task = asyncio.get_running_loop().create_task(lora.replay(view.group, life))
-        _replays.add(task)
-        task.add_done_callback(_replays.discard)
+        lora.replay_soon(view.group, (inc.address, ("127.0.0.1", inc.port or 0), view.command))
 
 
 async def measure(sampler: Sampler, pids: list[int]) -> dict[int, tuple[int, dict[int, int]]]:

@@ -45,6 +45,7 @@ class Lora:
                  upstream: Upstream, lives: Callable[[str], list[Life]] | None) -> None:
         self.router, self.book, self.channels, self.upstream = router, book, channels, upstream
         self.lives = lives  # the serving incarnations of a group (None: a cluster gateway)
+        self._replays: set[asyncio.Task[None]] = set()  # replays running (supervisor.services)
 
     async def load(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -178,6 +179,12 @@ class Lora:
         if status == 200 or (path is None and status == 404):
             return None
         return f"{endpoint[0]}:{endpoint[1]}: HTTP {status}: {text.decode(errors='replace')[:300]}"
+
+    def replay_soon(self, group: str, life: Life) -> None:
+        """`replay` in the background (its task kept until it ends)."""
+        task = asyncio.get_running_loop().create_task(self.replay(group, life))
+        self._replays.add(task)
+        task.add_done_callback(self._replays.discard)
 
     async def replay(self, group: str, life: Life) -> None:
         """A replica of `group` became READY: load what it lacks (a server engined did not

@@ -28,16 +28,33 @@ log = logging.getLogger("engined.routing")
 
 
 class AdapterBook:
-    def __init__(self, declared: Callable[[], Iterable[tuple[str, tuple[tuple[str, str], ...]]]]
-                 ) -> None:
+    def __init__(self, declared: Callable[[], Iterable[tuple[str, tuple[tuple[str, str], ...]]]],
+                 spec_key: Callable[[], object] = lambda: None) -> None:
         self._declared = declared  # (group, its spec's adapters) for every group
+        # what `declared` is read from (the fleet's spec: a reload replaces it): the spec's
+        # adapters and every request's model lookup are read again only when it or `loaded`
+        # changed, not per request
+        self._spec_key = spec_key
+        self._cache: tuple[object, int, dict[str, dict[str, str]], dict[str, str]] | None = None
+        self._version = 0  # `loaded` changed
         self.loaded: dict[str, dict[str, str]] = {}  # group -> name -> dir, loaded at run time
         self.held: dict[Address, set[str]] = {}  # incarnation -> the adapters it holds
         self.changed: Callable[[], None] = lambda: None  # the state snapshot is due
         self._missing: set[tuple[str, str]] = set()  # run-time ones whose directory went away
 
+    def _current(self) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+        """(group -> its spec's adapters, adapter name -> group), cached."""
+        key, cache = self._spec_key(), self._cache
+        if cache is None or cache[0] is not key or cache[1] != self._version:
+            declared = {g: dict(pairs) for g, pairs in self._declared() if pairs}
+            groups = sorted(set(declared) | set(self.loaded))
+            models = {name: group for group in groups
+                      for name in {**declared.get(group, {}), **self.loaded.get(group, {})}}
+            cache = self._cache = (key, self._version, declared, models)
+        return cache[2], cache[3]
+
     def declared(self, group: str) -> dict[str, str]:
-        return next((dict(pairs) for g, pairs in self._declared() if g == group), {})
+        return dict(self._current()[0].get(group, {}))
 
     def served(self, group: str) -> dict[str, str]:
         """Every adapter the group serves: the spec's, then the run time's."""
@@ -66,9 +83,8 @@ class AdapterBook:
         return present
 
     def models(self) -> dict[str, str]:
-        """adapter name -> group."""
-        groups = {g for g, _ in self._declared()} | set(self.loaded)
-        return {name: group for group in sorted(groups) for name in self.served(group)}
+        """adapter name -> group (read on every gateway request: cached)."""
+        return self._current()[1]
 
     def holds(self, address: Address, adapter: str) -> bool:
         return adapter in self.held.get(address, ())
@@ -81,17 +97,20 @@ class AdapterBook:
 
     def add(self, group: str, name: str, path: str) -> None:
         self.loaded.setdefault(group, {})[name] = path
+        self._version += 1
         self.changed()
 
     def remove(self, group: str, name: str) -> None:
         self.loaded.get(group, {}).pop(name, None)
         for held in self.held.values():
             held.discard(name)
+        self._version += 1
         self.changed()
 
     def restore(self, loaded: dict[str, dict[str, str]]) -> None:
         """What the engined this one replaced (or that crashed) had loaded at run time."""
         self.loaded = {group: dict(adapters) for group, adapters in loaded.items()}
+        self._version += 1
 
 
 __all__ = ["ADAPTER", "AdapterBook"]
