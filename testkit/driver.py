@@ -273,17 +273,6 @@ class Daemon:
         pids.update(int(p) for p in re.findall(r"\[spawn\] \S+ pid (\d+)", self.stderr_text()))
         return pids
 
-    def spawned_tree(self) -> set[int]:
-        """Every engine pid it spawned and their live descendants (a test that SIGKILLs the
-        daemon kills these by pid)."""
-        tree = self.spawned_pids()
-        for pid in list(tree):
-            try:
-                tree |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-            except psutil.NoSuchProcess:
-                pass
-        return tree
-
     def dump(self) -> None:
         """Print what helps diagnose a failure (pytest shows it for failing tests only)."""
         print(f"===== engined stderr ({self.stderr_path}) =====")
@@ -297,10 +286,10 @@ class Daemon:
 # --- process helpers --------------------------------------------------------------------------
 
 
-def http_text(method: str, url: str, body: Any = None,
-              timeout_s: float = 30.0) -> tuple[int, str]:
-    """One request with a JSON body over TCP (a gateway, a server): (status, the answer's
-    text), errors included."""
+def http_json(method: str, url: str, body: Any = None,
+              timeout_s: float = 30.0) -> tuple[int, Any]:
+    """One JSON request over TCP (a gateway, a server): (status, the JSON answer), errors
+    included."""
     import urllib.error
     import urllib.request
 
@@ -309,16 +298,9 @@ def http_text(method: str, url: str, body: Any = None,
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.status, response.read().decode()
+            return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def http_json(method: str, url: str, body: Any = None,
-              timeout_s: float = 30.0) -> tuple[int, Any]:
-    """The same, its answer read as JSON."""
-    status, text = http_text(method, url, body, timeout_s)
-    return status, json.loads(text)
+        return exc.code, json.loads(exc.read())
 
 
 class BackgroundStream:
@@ -350,27 +332,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def free_port_range(count: int) -> int:
-    """A base port with `count` free loopback ports from it (supervisor.replica_ports)."""
-    for _ in range(50):
-        base = free_port()
-        if base + count > 65535:
-            continue
-        held = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                held.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no free range of loopback ports")
 
 
 @contextlib.contextmanager

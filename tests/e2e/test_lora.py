@@ -20,7 +20,8 @@ import openai
 import psutil
 import pytest
 
-from testkit.driver import Daemon, free_port, free_port_range, http_text
+from testkit.driver import Daemon, free_port
+from testkit.probes import free_port_range, http_text, spawned_tree
 
 PROMPT = "select 1"
 
@@ -241,7 +242,7 @@ def test_a_runtime_adapter_survives_an_upgrade_a_kill_and_a_crash_adoption(engin
     d.wait_for(lambda: _saved_adapters(d) == {"echo": {"poet": str(poet)}}, 10,
                "the snapshot to have the adapter")
     before = _pids(d)
-    tree = d.spawned_tree()
+    tree = spawned_tree(d)
     d.expect_unclean_exit = True
     d.signal(signal.SIGKILL)
     assert d.wait_exit(timeout_s=10) == -signal.SIGKILL

@@ -18,6 +18,7 @@ import pytest
 
 from testkit.driver import PYTHON, REPO_ROOT, _clean_env, free_port, process_gone
 from testkit.handover import FLEET, Clients, identity, metric
+from testkit.probes import spawned_tree
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,7 @@ def _kill_daemon(d) -> set[int]:
                 if e["pid"] is not None and e["state"] != "STOPPING"}
         return _saved(d) == live
     d.wait_for(same, 10, "the snapshot to show every live engine")
-    tree = d.spawned_tree()
+    tree = spawned_tree(d)
     d.expect_unclean_exit = True
     d.signal(signal.SIGKILL)
     assert d.wait_exit(timeout_s=10) == -signal.SIGKILL

@@ -15,7 +15,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from testkit.driver import BackgroundStream, free_port, free_port_range
+from testkit.driver import BackgroundStream, free_port
+from testkit.probes import free_port_range
 
 pytestmark = pytest.mark.timeout(300)
 

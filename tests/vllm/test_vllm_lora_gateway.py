@@ -17,8 +17,9 @@ from typing import Any
 import openai
 import pytest
 
-from testkit.driver import free_port, http_text, running_daemon
+from testkit.driver import free_port, running_daemon
 from testkit.lora import make_tiny_llama_adapter
+from testkit.probes import http_text
 
 pytestmark = pytest.mark.vllm
 
