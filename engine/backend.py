@@ -200,6 +200,17 @@ class Backend(Protocol):
         """A request may generate with adapter `name`: RequestRejected naming it otherwise."""
         raise RequestRejected(no_adapters(self.kind))
 
+    # vLLM's sleep mode (sleep_mode level1/level2): vLLM's, and builtin:echo's for the tests
+    def sleep(self, level: int) -> None:
+        """Free the model's memory but keep the process (nothing in flight: the supervisor
+        drained it). RequestRejected where it cannot."""
+        raise RequestRejected(f"{self.kind} cannot sleep in place (sleep_mode level1/level2 "
+                              f"is vLLM's): use sleep_mode: stop")
+
+    def wake_up(self) -> None:
+        """Take the memory back; serve as before the sleep."""
+        raise RequestRejected(f"{self.kind} cannot sleep in place")
+
 
 def first_position(token: int, text: str) -> Position:
     """A prompt's first position: the token and its text, no logprob (rank 0)."""

@@ -24,6 +24,10 @@ of a LoRA with a rank; the same words as a vLLM engine's for one that is not) an
 else. A request with adapter NAME echoes "[NAME] " followed by the prompt: the prefix is output
 like the rest (tokens, max_tokens and resume count it), so a test can tell which adapter
 answered, and a resumed request continues it exactly.
+
+vLLM's sleep mode, cheaply, for the supervisor's tests of sleep_mode level1/level2: the sleep task
+marks echo asleep at that level (it frees nothing: it holds nothing) and it refuses requests,
+naming the level, until the wake_up task.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class EchoBackend(Backend):
         self.token_s = token_s
         self.running: dict[str, _Echo] = {}
         self.loras = Adapters()
+        self.asleep = 0  # the sleep level while asleep in place (module docstring)
 
     @classmethod
     def build(cls, progress: ProgressFn) -> EchoBackend:
@@ -124,6 +129,9 @@ class EchoBackend(Backend):
 
     # --- requests ----------------------------------------------------------------------------
     def add(self, request: Admission) -> None:
+        if self.asleep:
+            raise RequestRejected(f"the engine is asleep (sleep level {self.asleep}): wake it "
+                                  f"up first")
         refuse_structured(request.sampling, "builtin:echo")
         if len(request.prompt_ids) > MAX_ECHO_PROMPT:
             raise RequestRejected(f"prompt of {len(request.prompt_ids)} tokens is longer than "
@@ -152,6 +160,15 @@ class EchoBackend(Backend):
 
     def check_adapter(self, name: str) -> None:
         self.loras.get(name)
+
+    # --- vLLM's sleep mode, mimicked (module docstring) ---------------------------------------
+    def sleep(self, level: int) -> None:
+        if self.running:
+            raise RequestRejected(f"{len(self.running)} requests still run: drain it first")
+        self.asleep = level
+
+    def wake_up(self) -> None:
+        self.asleep = 0
 
     def _prompt_logprobs(self, echo: _Echo, emit: Emit) -> None:
         top = echo.prompt_logprobs

@@ -159,3 +159,9 @@ class FaultyBackend(Backend):
 
     def check_adapter(self, name: str) -> None:
         self.inner.check_adapter(name)
+
+    def sleep(self, level: int) -> None:
+        self.inner.sleep(level)
+
+    def wake_up(self) -> None:
+        self.inner.wake_up()

@@ -168,6 +168,10 @@ TASK_GENERATE, TASK_TOKENIZE, TASK_DETOKENIZE = "generate", "tokenize", "detoken
 # LoRA adapters at run time (engine.adapters), answered at once: load `adapter` from the
 # absolute directory `adapter_path` (loaded already from there: a success), or unload it
 TASK_LOAD_ADAPTER, TASK_UNLOAD_ADAPTER = "load_adapter", "unload_adapter"
+# vLLM's sleep mode (sleep_mode level1/level2, supervisor.routing.inplace), answered once done:
+# sleep at `sleep_level` (1: weights to host memory, KV cache dropped; 2: both dropped), or
+# wake up; the process stays, requests are refused while it sleeps
+TASK_SLEEP, TASK_WAKE_UP = "sleep", "wake_up"
 
 
 class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
@@ -200,6 +204,7 @@ class GenerateRequest(msgspec.Struct, tag="gen", frozen=True):
     # rejected, naming it; for TASK_LOAD_ADAPTER / TASK_UNLOAD_ADAPTER, the one to (un)load
     adapter: str | None = None
     adapter_path: str = ""  # TASK_LOAD_ADAPTER: its absolute directory (PEFT's format)
+    sleep_level: int = 1  # TASK_SLEEP: vLLM's sleep level, 1 or 2
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -308,6 +313,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # (PEFT's format); one that cannot be loaded fails the build (exit 78). vLLM engines only
     # (and builtin:echo, which prefixes its output with "[name] ")
     adapters: dict[str, str] = {}
+    # the spec's sleep_mode as vLLM's level (1, 2), for engines that sleep in place (vLLM
+    # builds with its sleep mode then); 0: it sleeps by being stopped
+    sleep_level: int = 0
 
 
 _control_encoder = msgspec.msgpack.Encoder()

@@ -125,6 +125,9 @@ class RequestTable:
         if msg.task in (proto.TASK_LOAD_ADAPTER, proto.TASK_UNLOAD_ADAPTER):
             self._adapter_task(msg)
             return
+        if msg.task in (proto.TASK_SLEEP, proto.TASK_WAKE_UP):
+            self._reply(msg, **sleep_task(self.backend, self.name, msg))
+            return
         try:
             if msg.adapter is not None:
                 self.backend.check_adapter(msg.adapter)
@@ -298,6 +301,25 @@ class RequestTable:
             fields.setdefault("finish_reason", proto.FINISH_ERROR)
         self.send(proto.GenerateResult(id=msg.id, engine=self.name,
                                        incarnation=self.incarnation, **fields))  # type: ignore
+
+
+def sleep_task(backend: Backend, name: str, msg: proto.GenerateRequest) -> dict[str, Any]:
+    """vLLM's sleep mode: sleep at msg.sleep_level, or wake up (the process stays); the
+    result's fields."""
+    try:
+        if msg.task == proto.TASK_SLEEP:
+            if msg.sleep_level not in (1, 2):
+                raise RequestRejected(f"sleep level {msg.sleep_level} is not 1 or 2")
+            backend.sleep(msg.sleep_level)
+        else:
+            backend.wake_up()
+    except RequestRejected as exc:
+        return {"error": str(exc), "rejected": True}
+    except Exception as exc:  # noqa: BLE001 - the supervisor decides (it stops the engine)
+        return {"error": f"{msg.task} failed: {type(exc).__name__}: {exc}"}
+    done = f"asleep (level {msg.sleep_level})" if msg.task == proto.TASK_SLEEP else "awake"
+    print(f"[sleep] {name} {done}", file=sys.stderr, flush=True)
+    return {"finish_reason": proto.FINISH_STOP}
 
 
 def _positions(delta: Delta) -> list[proto.Position]:

@@ -143,6 +143,8 @@ def engine_kwargs(config: EngineConfig, path: Path) -> dict[str, Any]:
                   max_num_seqs=config.max_batch_size)
     if not config.gpus:
         kwargs.setdefault("enforce_eager", True)  # no CUDA graphs or compilation on a CPU
+    if config.sleep_level:  # sleep_mode level1/level2: vLLM's sleep mode, CUDA and ROCm
+        kwargs["enable_sleep_mode"] = True
     kwargs.setdefault("use_tqdm_on_load", False)
     kwargs.setdefault("disable_log_stats", True)  # load() reads the scheduler directly
     return kwargs
@@ -199,7 +201,40 @@ def _device(config: EngineConfig) -> str:
     return "cuda:0" if kind == "cuda" else kind
 
 
-class VllmBackend(Backend):
+class _EngineTasks:
+    """What the supervisor asks of a vLLM engine besides requests: LoRA adapters and vLLM's
+    sleep mode (tasks answered at once, engine.requests)."""
+
+    engine: Any
+    loras: VllmAdapters
+    live: dict[str, Any]
+    held: Any
+
+    # --- LoRA adapters (engine.vllm_lora) ----------------------------------------------------
+    def adapters(self) -> list[str]:
+        return self.loras.names()
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self.loras.load(self.engine, name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self.loras.unload(self.engine, name)
+
+    def check_adapter(self, name: str) -> None:
+        self.loras.request(name)
+
+    # --- vLLM's sleep mode (CUDA, ROCm; built with enable_sleep_mode) -------------------------
+    def sleep(self, level: int) -> None:
+        if self.live or self.held:
+            raise RequestRejected(f"{len(self.live) + len(self.held)} requests still run: "
+                                  f"drain it first")
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+
+class VllmBackend(_EngineTasks, Backend):
     kind = "vllm"
     # requests join a running batch at every step, but a burst split over two costs one more
     burst_window = True
@@ -261,19 +296,6 @@ class VllmBackend(Backend):
         if self.frontend is None:
             raise RequestRejected("this engine has no chat frontend")
         return self.frontend.open(body)
-
-    # --- LoRA adapters (engine.vllm_lora) ----------------------------------------------------
-    def adapters(self) -> list[str]:
-        return self.loras.names()
-
-    def load_adapter(self, name: str, path: str) -> None:
-        self.loras.load(self.engine, name, path)
-
-    def unload_adapter(self, name: str) -> None:
-        self.loras.unload(self.engine, name)
-
-    def check_adapter(self, name: str) -> None:
-        self.loras.request(name)
 
     # --- requests ----------------------------------------------------------------------------
     def add(self, request: Admission) -> None:

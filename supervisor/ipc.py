@@ -364,6 +364,15 @@ class RequestStream:
         self.channels._close(self)
 
 
+async def result_of(stream: RequestStream, timeout_s: float) -> proto.GenerateResult | None:
+    """A task's one answer (None: something else came); the stream is closed after it."""
+    try:
+        item = await stream.next(timeout_s)
+    finally:
+        stream.close()
+    return item if isinstance(item, proto.GenerateResult) else None
+
+
 def _expire(waiter: asyncio.Future[bool]) -> None:
     if not waiter.done():
         waiter.set_result(False)

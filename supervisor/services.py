@@ -57,6 +57,7 @@ from engined.supervisor.routing.adapters import AdapterBook
 from engined.supervisor.routing.ondemand import OnDemand
 from engined.supervisor.routing.replicas import Router
 from engined.supervisor.routing.routes import Routes
+from engined.supervisor.routing.sleepmode import SleepMode
 from engined.supervisor.spec.model import ClientLimits, FleetSpec, SupervisorSpec
 from engined.supervisor.webserver import ApiKey, CappedRunner, listening, make_runner
 
@@ -134,6 +135,7 @@ class Services:
         execs.orphan_timeout_s = sup.orphan_timeout_s
         launcher = ForkServerLauncher(execs, paths.log_dir)
         stdout = StdoutLines() if sup.engine_logs == "stdout" else None
+        upstream = Upstream()
         book = AdapterBook(lambda: ((g, members[0].adapters)
                                     for g, members in fleet.spec.groups().items()),
                            spec_key=lambda: fleet.spec)
@@ -147,7 +149,7 @@ class Services:
             addresses=addresses, reaper=reaper, nvml=sampler.nvml, oom=OomWitness(),
             log_max_bytes=sup.log_max_bytes, log_backups=sup.log_backups, probes=probes,
             in_flight=router.in_flight, counted=changed.set, stdout=stdout,
-            adapters=book.of_group)
+            adapters=book.of_group, in_place=SleepMode(channels, upstream, clock, router.in_flight))
         fleet = Fleet(spec, lambda engine, owner: Replica(engine, deps, owner), clock, router,
                       addresses)
         events = EventLog()
@@ -155,7 +157,6 @@ class Services:
         router.waker = ondemand.for_request
         control = ControlContext(fleet, router, channels, sampler, events, paths.config,
                                  reload=reload, fork_servers=launcher.describe, ondemand=ondemand)
-        upstream = Upstream()
         routes = cls.gateway_routes(spec, router, upstream, clock)
         lora = Lora(routes, book, channels, upstream, router.lives if routes is router else None)
         gateway = (Gateway(routes, channels, upstream, ApiKey(sup.api_key_file),

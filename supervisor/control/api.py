@@ -430,8 +430,8 @@ async def _settle(replica: Replica, action: str, before: EngineView, wait: bool,
     rest = {"stop": EngineState.STOPPED, "sleep": EngineState.ASLEEP}.get(action)
 
     def done(v: EngineView) -> bool:
-        if rest is not None:
-            return v.state is rest and v.pid is None
+        if rest is not None:  # asleep in place (vLLM's sleep mode) keeps its process
+            return v.state is rest and (v.pid is None or rest is EngineState.ASLEEP)
         if action == "wake" and v.asleep:
             return False  # held back by the memory budget, or not yet woken
         if not v.wanted:

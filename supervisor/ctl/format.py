@@ -92,6 +92,9 @@ def asleep_why(on_demand: Mapping[str, Any]) -> str:
     why = {"idle": f"idle {humanize_duration(idle, coarse=True)}" if idle else "idle",
            "budget": "for the memory budget", "operator": "by an operator",
            "start": "on demand"}.get(str(reason), "asleep")
+    if on_demand.get("in_place"):  # vLLM's sleep mode: the process is kept
+        level = str(on_demand.get("sleep_mode", "")).removeprefix("level")
+        why = f"{why}, sleep level {level}"
     return f"{why}, wakes on request"
 
 

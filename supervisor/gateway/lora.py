@@ -20,7 +20,7 @@ from aiohttp import web
 from engined.engine import protocol as proto
 from engined.supervisor.gateway.openai import ApiError
 from engined.supervisor.gateway.upstream import Upstream
-from engined.supervisor.ipc import EngineChannels, RequestFailed, new_request_id
+from engined.supervisor.ipc import EngineChannels, RequestFailed, new_request_id, result_of
 from engined.supervisor.routing.adapters import AdapterBook
 from engined.supervisor.routing.routes import Routes
 
@@ -161,11 +161,8 @@ class Lora:
                 new_request_id(), task=task, adapter=name, adapter_path=path or ""))
         except RequestFailed as exc:
             raise _Unsent(str(exc)) from None
-        try:
-            item = await stream.next(TASK_TIMEOUT_S)
-        finally:
-            stream.close()
-        if not isinstance(item, proto.GenerateResult):
+        item = await result_of(stream, TASK_TIMEOUT_S)
+        if item is None:
             return f"{address[0]}: an unexpected answer"
         return None if item.error is None else f"{address[0]}: {item.error}"
 

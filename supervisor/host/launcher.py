@@ -124,11 +124,14 @@ def child_environment(config: EngineConfig, extra: Mapping[str, str], pythonpath
 
 def command_environment(spec: EngineSpec, incarnation: int, port: int | None) -> dict[str, str]:
     """A command engine's environment: ours minus systemd plumbing and engined's own variables,
-    plus the spec's env, GPU pinning, PORT, the owner mark and a TMPDIR of its own. None of the
-    engine child's knobs (thread bounds, offline flags, our PYTHONPATH): the server is not
-    ours."""
+    plus the spec's env, GPU pinning, PORT, the owner mark and a TMPDIR of its own (and, with
+    sleep_mode level1/level2, VLLM_SERVER_DEV_MODE=1: vLLM serves /sleep and /wake_up only
+    then). None of the engine child's knobs (thread bounds, offline flags, our PYTHONPATH): the
+    server is not ours."""
     env = {k: v for k, v in os.environ.items()
            if k not in _STRIPPED_ENV and not k.startswith("ENGINED_")}
+    if spec.sleep_level:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     env.update(spec.env)
     env.update(scratch.environment(owner_token(spec.name, incarnation), dict(spec.env)))
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)

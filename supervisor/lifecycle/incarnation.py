@@ -106,6 +106,7 @@ class Incarnation:
         self.adopted_at: float | None = None  # handed over by an engined upgrade (unix time)
         self.reattaching = False  # adopted, not yet reachable again (STARTING until it is)
         self.resumed_since: float | None = None  # the READY run it had before (unix time)
+        self.asleep = False  # in vLLM's sleep mode (sleep_mode level1/level2): no canary
 
     @property
     def kind(self) -> Kind:

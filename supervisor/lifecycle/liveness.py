@@ -61,9 +61,11 @@ class ProbeLiveness:
     kind = Kind.COMMAND
 
     def __init__(self, spec: EngineSpec, client: ProbeClient, clock: Clock,
-                 monitor: LoopMonitor, in_flight: Callable[[], int]) -> None:
+                 monitor: LoopMonitor, in_flight: Callable[[], int],
+                 asleep: Callable[[], bool] = lambda: False) -> None:
         self.spec, self.client, self.clock, self.monitor = spec, client, clock, monitor
         self.in_flight = in_flight  # requests routed to this incarnation now
+        self.asleep = asleep  # in vLLM's sleep mode now: no canary (it would wake nothing)
         self.verdict: str | None = None
         self.verdict_reason = Reason.HANG
         self._prober: Prober | None = None
@@ -96,7 +98,7 @@ class ProbeLiveness:
                 wake()
 
         self._prober = Prober(self.spec, number, port, self.client, self.clock, self.monitor,
-                              deliver, condemn, self.in_flight)
+                              deliver, condemn, self.in_flight, self.asleep)
         self._task = asyncio.get_running_loop().create_task(self._prober.run(),
                                                             name=f"probe:{name}")
 

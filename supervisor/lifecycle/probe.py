@@ -151,12 +151,14 @@ class Prober:
                  clock: Clock, monitor: LoopMonitor,
                  deliver: Callable[[proto.ChildMessage], object],
                  condemn: Callable[..., None],
-                 in_flight: Callable[[], int]) -> None:
+                 in_flight: Callable[[], int],
+                 asleep: Callable[[], bool] = lambda: False) -> None:
         assert spec.probe is not None
         self.spec, self.incarnation, self.port = spec, incarnation, port
         self.probe = spec.probe
         self.client, self.clock, self.monitor = client, clock, monitor
         self.deliver, self.condemn, self.in_flight = deliver, condemn, in_flight
+        self.asleep = asleep  # in vLLM's sleep mode: a canary would find nothing to answer it
         self.failures = 0
         self.ready = False
         self.stopped = False
@@ -205,7 +207,7 @@ class Prober:
             return False
         # busy: the gateway's requests, or the server's own gauge read before any canary went
         # (a client may talk to the server's port directly, as a benchmark's direct run does)
-        if self.in_flight() > 0 or self.progress.busy:
+        if self.in_flight() > 0 or self.progress.busy or self.asleep():
             self.quiet_since = now
             return False
         return now - self.quiet_since >= canary.idle_s

@@ -59,6 +59,17 @@ class Command(enum.Enum):
     STOP = "stop"
     RESTART = "restart"
     PEER_STOP = "peer_stop"  # the owner stops it because a data-parallel peer failed
+    SLEEP = "sleep"  # vLLM's sleep mode: drained, then asleep with its process kept
+    WAKE = "wake"  # out of vLLM's sleep mode
+
+
+class InPlace(Protocol):
+    """vLLM's sleep mode for one incarnation (supervisor.routing.inplace): each returns the
+    error, or None once done."""
+
+    async def sleep(self, spec: EngineSpec, inc: Incarnation) -> str | None: ...
+
+    async def wake(self, spec: EngineSpec, inc: Incarnation) -> str | None: ...
 
 
 @dataclass
@@ -137,13 +148,15 @@ class ReplicaDeps:
     counted: Callable[[], None] = lambda: None  # a request counted (the state snapshot is due)
     # a group's LoRA adapters, the spec's and those loaded at run time (routing.adapters)
     adapters: Callable[[str], dict[str, str]] = lambda group: {}
+    in_place: InPlace | None = None  # sleep_mode level1/level2 (None: they sleep by a stop)
 
     def liveness_for(self, spec: EngineSpec, incarnation: Callable[[], Incarnation]
                      ) -> LivenessStrategy:
         """The one place that tells an engine child from a server of its own."""
         if spec.is_command:
             return ProbeLiveness(spec, self.probes, self.clock, self.monitor,
-                                 lambda: self.in_flight(incarnation()))
+                                 lambda: self.in_flight(incarnation()),
+                                 lambda: incarnation().asleep)
         return HeartbeatLiveness(self.heartbeat_interval_s, self.heartbeat_timeout_s)
 
 
@@ -159,6 +172,29 @@ class Slot:
     task: asyncio.Task[None] | None
     clock: Clock
     _bound: list[Address]
+    _changed: asyncio.Event  # replaced at each state change (`wait_for` waits on it)
+
+    def view(self) -> EngineView:
+        raise NotImplementedError
+
+    async def wait_for(self, predicate: Callable[[EngineView], bool], timeout_s: float) -> bool:
+        """Until `predicate(view)` holds (True) or `timeout_s` passes (False)."""
+        deadline = self.clock.monotonic() + timeout_s
+        while not predicate(self.view()):
+            left = deadline - self.clock.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                return predicate(self.view())
+        return True
+
+    async def wait_stopped(self, timeout_s: float) -> bool:
+        """Until it is stopped and no process of it is left or coming. A spawn in flight (a
+        fork server's round trip) has no pid yet but brings a child: its stop waits for it."""
+        return await self.wait_for(lambda view: self.current is None and not view.wanted,
+                                   timeout_s)
 
     def kill_now(self) -> None:
         """Second shutdown signal: no more waiting."""
@@ -186,6 +222,11 @@ class Slot:
     @property
     def wanted(self) -> bool:
         return self.desired is Desired.RUN
+
+    @property
+    def asleep_in_place(self) -> bool:
+        """ASLEEP with its process kept (vLLM's sleep mode)."""
+        return self.state is EngineState.ASLEEP and self.current is not None
 
     @property
     def at_rest(self) -> EngineState:
@@ -352,10 +393,21 @@ class Replica(Slot):
             self.set_state(self.at_rest)
         self.intent.wakeup.set()
 
+    def sleep(self) -> None:
+        """To sleep (routing.ondemand): in place where its sleep_mode is vLLM's and it serves
+        (drained, then vLLM's sleep; its process kept), else by a stop."""
+        if not (self.spec.sleep_level and self.deps.in_place and self.serving()):
+            return self.stop(desired=Desired.ASLEEP)
+        self.desired, self.intent.command = Desired.ASLEEP, Command.SLEEP  # routed nothing more
+        self.intent.wakeup.set()
+
     def start(self) -> None:
         self.desired, self.fail_reason = Desired.RUN, ""
-        if self.current is not None:
-            return  # running, or being stopped: `desired` brings it back after the exit
+        if self.asleep_in_place:
+            self.intent.command = Command.WAKE
+            self.intent.wakeup.set()
+        if self.current is not None:  # running, stopping (`desired` brings it back after the
+            return  # exit), or going to sleep in place (woken as the sleep ends)
         self.intent.spawn_due = self.clock.monotonic()
         self.intent.wakeup.set()
 
@@ -367,25 +419,6 @@ class Replica(Slot):
         else:
             self.intent.spawn_due = self.clock.monotonic()
         self.intent.wakeup.set()
-
-    async def wait_for(self, predicate: Callable[[EngineView], bool], timeout_s: float) -> bool:
-        """Until `predicate(view)` holds (True) or `timeout_s` passes (False)."""
-        deadline = self.clock.monotonic() + timeout_s
-        while not predicate(self.view()):
-            left = deadline - self.clock.monotonic()
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except asyncio.TimeoutError:
-                return predicate(self.view())
-        return True
-
-    async def wait_stopped(self, timeout_s: float) -> bool:
-        """Until it is stopped and no process of it is left or coming. A spawn in flight (a
-        fork server's round trip) has no pid yet but brings a child: its stop waits for it."""
-        return await self.wait_for(lambda view: self.current is None and not view.wanted,
-                                   timeout_s)
 
     async def close(self) -> None:
         if self.task is not None:
@@ -458,7 +491,8 @@ class Replica(Slot):
         inc.vitals.heartbeat_at = self.clock.monotonic()
         log.info("[upgrade] %s pid %s incarnation %d re-attached", self.name, inc.pid,
                  self.incarnation)
-        self.set_state(EngineState.READY)
+        inc.asleep = self.desired is Desired.ASLEEP and bool(self.spec.sleep_level)  # in place
+        self.set_state(EngineState.ASLEEP if inc.asleep else EngineState.READY)
         if inc.resumed_since is not None:
             self.since = inc.resumed_since  # in READY since before the hand-over
         self.intent.wakeup.set()
@@ -520,7 +554,7 @@ def child_config(replica: Replica, number: int) -> proto.EngineConfig:
         replicas=spec.replicas, incarnation=number, model=spec.model.source,
         dtype=spec.model.dtype, gpus=list(spec.gpus), data_parallel=spec.data_parallel,
         max_batch_size=spec.max_batch_size, threads=spec.threads,
-        memory_limit=spec.memory_limit,
+        memory_limit=spec.memory_limit, sleep_level=spec.sleep_level,
         control_endpoint=deps.control_endpoint, request_endpoint=deps.request_endpoint,
         heartbeat_interval_s=deps.heartbeat_interval_s, rendezvous=replica.owner.rendezvous,
         python=spec.python, backend=spec.backend,

@@ -51,8 +51,11 @@ TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
     _S.STOPPING: frozenset({_S.STOPPED, _S.BACKOFF, _S.FAILED, _S.STARTING, _S.ASLEEP}),
     _S.BACKOFF: frozenset({_S.STARTING, _S.STOPPED, _S.FAILED, _S.ASLEEP}),
     _S.FAILED: frozenset({_S.STARTING, _S.STOPPED, _S.BACKOFF, _S.ASLEEP}),
-    # a wake spawns (STARTING), or could not (BACKOFF, FAILED); `stop` parks it
-    _S.ASLEEP: frozenset({_S.STARTING, _S.STOPPED, _S.BACKOFF, _S.FAILED}),
+    # a wake spawns (STARTING), or could not (BACKOFF, FAILED); `stop` parks it. Asleep in
+    # place (vLLM's sleep mode, the process kept): woken (READY), stopped (STOPPING), or its
+    # process died (ASLEEP, no process: the next wake spawns)
+    _S.ASLEEP: frozenset({_S.STARTING, _S.STOPPED, _S.BACKOFF, _S.FAILED, _S.READY,
+                          _S.STOPPING}),
 }
 
 

@@ -43,6 +43,7 @@ class ReplicaWorker:
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self.deps, self.clock, self.intent = replica.deps, replica.clock, replica.intent
+        self._in_place: asyncio.Task[None] | None = None  # a sleep or wake in vLLM's mode
 
     async def run(self) -> None:
         while True:
@@ -125,7 +126,13 @@ class ReplicaWorker:
             if replica.current is not inc:
                 return False  # promoted: another replica's worker watches it from now on
             now = self.clock.monotonic()
-            if self.intent.command is not None and requested is None:
+            if self.intent.command in (Command.SLEEP, Command.WAKE) and requested is None:
+                if self._in_place is None or self._in_place.done():  # one at a time
+                    command, self.intent.command = self.intent.command, None
+                    self._in_place = self.deps.loop.create_task(
+                        self._sleep_or_wake(inc, command), name=f"{command.value}:"
+                                                                f"{replica.name}")
+            elif self.intent.command is not None and requested is None:
                 requested, self.intent.command = self.intent.command, None
                 replica.set_state(EngineState.STOPPING)
                 log.info("[stop] %s pid %d: SIGTERM to its process group", replica.name,
@@ -148,6 +155,37 @@ class ReplicaWorker:
             return False  # handed over as it died: its new replica reports the exit
         self._on_exit(inc, killed_for, requested)
         return True
+
+    async def _sleep_or_wake(self, inc: Incarnation, command: Command) -> None:
+        """vLLM's sleep mode, beside the watch (its liveness goes on): READY -> ASLEEP once
+        drained, or ASLEEP -> READY, the process kept. What fails is left to the process: a
+        failed sleep stops it (asleep all the same), a failed wake restarts it."""
+        replica, in_place = self.replica, self.deps.in_place
+        assert in_place is not None
+        act = in_place.sleep if command is Command.SLEEP else in_place.wake
+        error = await act(replica.spec, inc)
+        if replica.current is not inc or not inc.alive or self.intent.command in (
+                Command.STOP, Command.RESTART, Command.PEER_STOP):
+            return  # it exited, or is being stopped or restarted meanwhile
+        if error is not None:
+            then = "stopping it instead" if command is Command.SLEEP else "restarting it"
+            log.warning("[ondemand] %s pid %s: %s failed, %s: %s", replica.name, inc.pid,
+                        command.value, then, error)
+            replica.log.note(f"{command.value} failed, {then}: {error}")
+            if command is Command.WAKE or not replica.wanted:
+                self.intent.command = Command.RESTART if command is Command.WAKE else \
+                    Command.STOP
+        elif command is Command.SLEEP:
+            inc.asleep = True
+            replica.set_state(EngineState.ASLEEP)
+            if replica.wanted:  # a start overtook the sleep
+                self.intent.command = Command.WAKE
+        else:
+            inc.asleep = False
+            replica.set_state(EngineState.READY)
+            if not replica.wanted:  # put to sleep again meanwhile
+                replica.sleep()
+        self.intent.wakeup.set()
 
     def _judge(self, inc: Incarnation, now: float) -> tuple[Reason | None, float | None]:
         if inc.liveness.verdict is not None:

@@ -3,10 +3,11 @@
 An engine group with `idle_timeout` is on demand. Its replicas past `min_replicas` start asleep
 (ASLEEP: no process, not down, not a restart), and once the group has had no request in flight
 or waiting for `idle_timeout`, they go to sleep again (sleep_mode stop: the process is stopped
-as `enginectl stop` would, SIGTERM, stop_timeout, SIGKILL). A request for a model with nothing
-awake wakes it (through the fork server: a fresh incarnation, READY as at any start) and waits
-in the gateway, bounded by `wake_timeout`, then flows as usual; a burst that finds every awake
-replica full wakes the rest of the group.
+as `enginectl stop` would, SIGTERM, stop_timeout, SIGKILL; level1/level2: vLLM's sleep mode,
+the process kept, supervisor.routing.sleepmode). A request for a model with nothing awake wakes
+it (through the fork server: a fresh incarnation, READY as at any start; or out of vLLM's sleep
+mode) and waits in the gateway, bounded by `wake_timeout`, then flows as usual; a burst that
+finds every awake replica full wakes the rest of the group.
 
 `supervisor.memory_budget` bounds what the engines hold together, per pool (the host's memory
 for engines without GPUs, each GPU's for the others), by each replica's `memory_limit` or else
@@ -69,6 +70,8 @@ class MemoryBudget:
         it was measured to hold, else 0 (not known yet: learnt once it is READY)."""
         spec, seen = replica.spec, self.held.get(replica.name, {})
         names = [f"gpu:{g}" for g in spec.gpus] or ["host"]
+        if replica.asleep_in_place:  # level 1 keeps the weights in host memory, level 2 none
+            names = [p for p in names if p == "host" and spec.sleep_level == 1]
         return {p: spec.memory_limit if spec.memory_limit is not None else seen.get(p, 0)
                 for p in names}
 
@@ -208,9 +211,11 @@ class Swap:
                 return Room(blocked=f"{_bytes(n)} more does not fit in memory_budget."
                                     f"{pool.split(':')[0]} {_bytes(limit)} ({_bytes(used)} "
                                     f"held by engines busy or not on demand)")
-        going = [*chosen, *(r for r in waking if r.current is not None)] + [
+        going = [*chosen, *(r for r in waking if r.current is not None
+                            and not r.asleep_in_place)] + [
             r for r in self.budget.fleet.replicas.values()
-            if r.desired is Desired.ASLEEP and r.current is not None and r not in waking
+            if r.desired is Desired.ASLEEP and r.current is not None and not r.asleep_in_place
+            and r not in waking
             and full & set(self.budget.pools(r))]
         if not going:
             return Room()
@@ -350,7 +355,7 @@ class OnDemand:
         for replica in replicas:
             self.why_asleep[replica.name] = reason
             self._waking.pop(replica.name, None)
-            replica.stop(desired=Desired.ASLEEP)
+            replica.sleep()
         if replicas:
             log.info("[ondemand] %s going to sleep (%s)", ", ".join(r.name for r in replicas),
                      reason)
@@ -367,18 +372,21 @@ class OnDemand:
             reason = self.why_asleep.get(name, "start")
             self.sleeps[(name, reason)] += 1
             return {"event": "sleep", "reason": reason}
-        if change.old is EngineState.ASLEEP and view.state is not EngineState.STOPPED:
-            # woken here, or by anyone else (`enginectl start`: an operator's)
+        extra: dict[str, Any] = {}
+        if change.old is EngineState.ASLEEP and view.state not in (EngineState.STOPPED,
+                                                                   EngineState.STOPPING):
+            # woken here, or by anyone else (`enginectl start`: an operator's); out of vLLM's
+            # sleep mode it is READY at once
             _, reason = self._waking.setdefault(name, (self.clock.monotonic(), "operator"))
             self.wakes[(name, reason)] += 1
-            return {"event": "wake", "reason": reason}
+            extra = {"event": "wake", "reason": reason}
         if name in self._waking and view.state in (EngineState.READY, EngineState.FAILED,
                                                    EngineState.STOPPED):
             asked, _ = self._waking.pop(name)
             if view.state is EngineState.READY:
                 hist = self.wake_seconds.setdefault(name, Histogram(WAKE_BUCKETS))
                 hist.observe(self.clock.monotonic() - asked)
-        return {}
+        return extra
 
     async def run(self) -> None:
         """Every TICK_S: idle groups to sleep, full ones woken whole, the budget kept."""
@@ -453,6 +461,7 @@ class OnDemand:
             return None
         spec = replica.spec
         return {"idle_timeout_s": spec.idle_timeout_s, "min_replicas": spec.min_replicas,
+                "sleep_mode": spec.sleep_mode, "in_place": replica.asleep_in_place,
                 "reason": self.why_asleep.get(name, "start")
                 if replica.desired is Desired.ASLEEP else None,
                 "held_bytes": sum(self.budget.pools(replica).values()) or None,

@@ -471,7 +471,8 @@ KEYS: tuple[Key, ...] = (
         type="duration", example="2m"),
     Key("sleep_mode", _SET, _enum(SLEEP_MODES), "sleep_mode",
         "stop (the process ends; a wake starts it) | level1 | level2 (vLLM's sleep mode, GPUs "
-        "only: weights to host memory / dropped, the KV cache dropped)",
+        "only, the process kept: weights to host memory / dropped, the KV cache dropped; a "
+        "command needs --enable-sleep-mode)",
         Shown("on_demand", "sleep_mode {}"),
         type="`stop`, `level1` or `level2`", example="level1",
         example_with={"backend": "vllm", "gpus": [0], "gpus_per_replica": 1}),

@@ -181,6 +181,11 @@ class EngineSpec:
         return self.idle_timeout_s is not None
 
     @property
+    def sleep_level(self) -> int:
+        """vLLM's sleep level it sleeps at in place (1, 2); 0: it sleeps by being stopped."""
+        return {"level1": 1, "level2": 2}.get(self.sleep_mode, 0)
+
+    @property
     def starts_asleep(self) -> bool:
         """On demand and not among the min_replicas kept awake: a request wakes it."""
         return self.on_demand and not self.standby and self.rank >= self.min_replicas

@@ -42,8 +42,9 @@ def _adapters(problems: _Problems, value: Any, path: str) -> Any:
 
 
 def check_group(problems: _Problems, s: dict[str, _Located], replicas: Any, path: str,
-                command: bool) -> None:
-    """What holds across an engine's on-demand keys."""
+                command: Any) -> None:
+    """What holds across an engine's on-demand keys (`command`: a command engine's, as
+    written; None for engined's own engines)."""
     idle, idle_at = s["idle_timeout"]
     least, least_at = s["min_replicas"]
     mode, mode_at = s["sleep_mode"]
@@ -61,16 +62,7 @@ def check_group(problems: _Problems, s: dict[str, _Located], replicas: Any, path
                          "standby keeps spares awake and idle_timeout puts the group to sleep: "
                          "choose one")
     if mode in ("level1", "level2"):
-        where = mode_at or f"{path}.sleep_mode"
-        backend = s["backend"][0]
-        if not command and backend != "vllm":
-            problems.add(where, f"sleep_mode {mode} is vLLM's sleep mode: it needs backend: "
-                                f"vllm or a `vllm serve` command engine (this engine runs "
-                                f"{backend}); use sleep_mode: stop")
-        elif not s["gpus"][0]:
-            problems.add(where, f"sleep_mode {mode} is vLLM's sleep mode, which works on CUDA "
-                                f"and ROCm GPUs only, and this engine has no gpus (it runs on "
-                                f"the CPU): use sleep_mode: stop")
+        check_sleep_mode(problems, s, mode, mode_at or f"{path}.sleep_mode", command)
     adapters, adapters_at = s["adapters"]
     if adapters not in ((), _BAD) and not command:
         backend = s["backend"][0]
@@ -79,6 +71,31 @@ def check_group(problems: _Problems, s: dict[str, _Located], replicas: Any, path
             problems.add(adapters_at or f"{path}.adapters",
                          f"LoRA adapters need backend: vllm (or a `vllm serve` command engine "
                          f"started with --enable-lora); this engine runs {backend}")
+
+
+def check_sleep_mode(problems: _Problems, s: dict[str, _Located], mode: str, where: str,
+                     command: Any) -> None:
+    """sleep_mode level1/level2 is vLLM's sleep mode: a `backend: vllm` engine or a `vllm
+    serve` command engine started with --enable-sleep-mode, on GPUs (CUDA, ROCm), not a
+    data-parallel gang; builtin:echo mimics it (engine.echo) for the supervisor's tests."""
+    echo = not command and getattr(s["model"][0], "source", "") == "builtin:echo"
+    backend = s["backend"][0]
+    if s["data_parallel"][0] is True:
+        problems.add(where, f"sleep_mode {mode} keeps each process: a data-parallel group sleeps "
+                            f"and wakes whole by a stop (use sleep_mode: stop)")
+    elif echo:
+        return
+    elif not command and backend != "vllm":
+        problems.add(where, f"sleep_mode {mode} is vLLM's sleep mode: it needs backend: vllm or "
+                            f"a `vllm serve` command engine (this engine runs {backend}); use "
+                            f"sleep_mode: stop")
+    elif not s["gpus"][0]:
+        problems.add(where, f"sleep_mode {mode} is vLLM's sleep mode, which works on CUDA and "
+                            f"ROCm GPUs only, and this engine has no gpus (it runs on the CPU): "
+                            f"use sleep_mode: stop")
+    elif isinstance(command, list) and "--enable-sleep-mode" not in command:
+        problems.add(where, f"sleep_mode {mode} needs the server started with "
+                            f"--enable-sleep-mode: add it to the engine's command")
 
 
 def check_budget(problems: _Problems, budget: tuple[int | None, int | None],

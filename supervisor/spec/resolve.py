@@ -281,7 +281,7 @@ def _group(
         if probe not in (None, _BAD) and probe_at and probe_at.startswith(path + "."):
             problems.add(probe_at, "probe applies to command engines only (engined's own "
                                    "engines heartbeat)")
-    check_group(problems, settings, replicas, path, "command" in section)
+    check_group(problems, settings, replicas, path, section.get("command"))
     standby, standby_at = settings["standby"]
     dp = settings["data_parallel"][0]
     if standby not in (0, _BAD) and dp is True:

@@ -274,3 +274,40 @@ def test_a_gpu_memory_limit_below_the_loaded_engine_is_a_config_error(cuda_avail
     e = d.wait_state("gpu-0", "FAILED", timeout_s=READY_TIMEOUT_S)
     assert "memory_limit" in e["fail_reason"] and "raise it" in e["fail_reason"], e
     assert e["last_exit"]["code"] == 78, e
+
+
+def test_vllm_sleep_level1_frees_the_gpu_and_wakes_the_same_process(cuda_available, engined,
+                                                                     tiny_cache: Path):
+    """sleep_mode level1 (docs/on-demand.md) with vLLM's own sleep mode on CUDA: asleep, the
+    engine keeps its process and the device's memory falls back to the daemon-less baseline but
+    for the CUDA context; a request wakes the same process and answers as before. Needs a CUDA
+    build of vllm in this python (skipped otherwise)."""
+    probe = subprocess.run([PYTHON, "-c", "import vllm"], capture_output=True, timeout=300)
+    if probe.returncode != 0:
+        pytest.skip("no CUDA build of vllm in this python")
+    import time
+
+    baseline_mib = _gpu0_used_mib()
+    gateway = free_port()
+    d = engined([_tiny("v", tiny_cache, backend="vllm", gpus=[0], gpus_per_replica=1,
+                       idle_timeout="10m", min_replicas=1, sleep_mode="level1",
+                       engine_args={"gpu_memory_utilization": 0.2})],
+                supervisor={**SUPERVISOR, "gateway": f"127.0.0.1:{gateway}"},
+                defaults=DEFAULTS, ready=False)
+    d.wait_state("v-0", "READY", READY_TIMEOUT_S)
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway}/v1", api_key="none",
+                        max_retries=0, timeout=120)
+    first = api.completions.create(model="v", prompt="hello", max_tokens=8, temperature=0)
+    pid, awake_mib = d.engine("v-0")["pid"], _gpu0_used_mib()
+    assert d.ctl("sleep", "v").returncode == 0
+    asleep = d.engine("v-0")
+    assert asleep["state"] == "ASLEEP" and asleep["pid"] == pid, asleep
+    asleep_mib = _gpu0_used_mib()
+    print(f"GPU 0: {baseline_mib} MiB before engined, {awake_mib} awake, {asleep_mib} asleep "
+          f"(level 1)")
+    assert asleep_mib - baseline_mib < 1024, (baseline_mib, awake_mib, asleep_mib)
+    began = time.perf_counter()
+    again = api.completions.create(model="v", prompt="hello", max_tokens=8, temperature=0)
+    print(f"woken by a request, answered in {time.perf_counter() - began:.3f}s")
+    assert again.choices[0].text == first.choices[0].text
+    assert d.engine("v-0")["pid"] == pid

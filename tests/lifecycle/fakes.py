@@ -129,7 +129,8 @@ class World:
     @classmethod
     async def build(cls, tmp: Path, engines: list[dict[str, Any]],
                     supervisor: dict[str, Any] | None = None,
-                    defaults: dict[str, Any] | None = None) -> World:
+                    defaults: dict[str, Any] | None = None, in_place: Any = None) -> World:
+        """`in_place`: the replicas' sleep in place (ReplicaDeps.in_place), if any."""
         loop = asyncio.get_running_loop()
         clock = VirtualClock(loop)
         spec = make_spec(engines, supervisor, defaults)
@@ -143,7 +144,7 @@ class World:
             heartbeat_timeout_s=spec.supervisor.heartbeat_timeout_s,
             monitor=LoopMonitor(clock, grace_s=spec.supervisor.heartbeat_interval_s),
             notices=notices, addresses=addresses, rng=random.Random(0),
-            in_flight=router.in_flight)
+            in_flight=router.in_flight, in_place=in_place)
         fleet = Fleet(spec, lambda engine, owner: Replica(engine, deps, owner), clock, router,
                       addresses, rng=random.Random(0))
         world = cls(fleet, router, launcher, clock, notices)

@@ -122,6 +122,7 @@ def test_replicas_past_min_replicas_start_asleep_and_count_as_ready_not_down(tmp
         code, ready = view.readiness()
         assert code == 200 and ready["groups"] == {"a": True, "b": True}, ready
         assert h.od.status_of("b-0") == {"idle_timeout_s": 60.0, "min_replicas": 0,
+                                         "sleep_mode": "stop", "in_place": False,
                                          "reason": "start", "held_bytes": None, "wakes": 0}
         assert h.od.status_of("a-0")["reason"] is None  # awake (kept: min_replicas)
         assert h.events == []  # nothing went to sleep: it never ran

@@ -78,8 +78,10 @@ def test_the_defaults_are_always_awake_and_no_budget() -> None:
     ("- {name: d, model: builtin:echo, replicas: 3, data_parallel: true, idle_timeout: 1m, "
      "min_replicas: 3}\n", ""),
     ("- {name: s, model: builtin:echo, standby: 1, idle_timeout: null}\n", ""),
-    ("- {name: c, command: [vllm, serve, m], gpus: [0], gpus_per_replica: 1, "
-     "sleep_mode: level2, idle_timeout: 1m}\n", ""),
+    ("- {name: c, command: [vllm, serve, m, --enable-sleep-mode], gpus: [0], "
+     "gpus_per_replica: 1, sleep_mode: level2, idle_timeout: 1m}\n", ""),
+    # builtin:echo mimics vLLM's sleep mode (engine.echo), for the supervisor's tests
+    ("- {name: e, model: builtin:echo, sleep_mode: level1, idle_timeout: 1m}\n", ""),
     ("- {name: e, model: builtin:echo, adapters: {sql: /loras/sql}}\n", ""),
     ("- {name: v, model: builtin:tiny-llama, backend: vllm, adapters: {sql: /loras/sql}}\n", ""),
 ])
@@ -111,6 +113,14 @@ RULES = [
      "sleep_mode: stop"),
     (fleet_of("- {name: c, command: [vllm, serve, m], sleep_mode: level2}\n"),
      "engines[0].sleep_mode: sleep_mode level2 is vLLM's sleep mode, which works on CUDA"),
+    (fleet_of("- {name: c, command: [vllm, serve, m], gpus: [0], gpus_per_replica: 1, "
+              "sleep_mode: level1}\n"),
+     "fleet.yaml:5: engines[0].sleep_mode: sleep_mode level1 needs the server started with "
+     "--enable-sleep-mode: add it to the engine's command"),
+    (fleet_of("- {name: d, model: builtin:echo, replicas: 2, data_parallel: true, "
+              "sleep_mode: level1}\n"),
+     "fleet.yaml:5: engines[0].sleep_mode: sleep_mode level1 keeps each process: a "
+     "data-parallel group sleeps and wakes whole by a stop (use sleep_mode: stop)"),
     (fleet_of("- {name: t, model: builtin:tiny-llama, gpus: [0], gpus_per_replica: 1, "
               "sleep_mode: level2}\n"),
      "fleet.yaml:5: engines[0].sleep_mode: sleep_mode level2 is vLLM's sleep mode: it needs "
