@@ -286,7 +286,9 @@ class Results(msgspec.Struct, tag="results", frozen=True):
 RequestMessage = GenerateRequest | Abort | Wake | TokenChunk | GenerateResult | Results | Ready
 
 
-class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# omit_defaults: a field left at its default is not sent, so an engine of an earlier release
+# (an upgrade's adopted fork server) reads a config that uses nothing it lacks
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Everything a child needs, resolved by the daemon and passed at exec time."""
 
     name: str
