@@ -168,7 +168,7 @@ TASK_GENERATE, TASK_TOKENIZE, TASK_DETOKENIZE = "generate", "tokenize", "detoken
 # LoRA adapters at run time (engine.adapters), answered at once: load `adapter` from the
 # absolute directory `adapter_path` (loaded already from there: a success), or unload it
 TASK_LOAD_ADAPTER, TASK_UNLOAD_ADAPTER = "load_adapter", "unload_adapter"
-# vLLM's sleep mode (sleep_mode level1/level2, supervisor.routing.inplace), answered once done:
+# vLLM's sleep mode (sleep_mode level1/level2, supervisor.routing.sleepmode), answered once done:
 # sleep at `sleep_level` (1: weights to host memory, KV cache dropped; 2: both dropped), or
 # wake up; the process stays, requests are refused while it sleeps
 TASK_SLEEP, TASK_WAKE_UP = "sleep", "wake_up"

@@ -63,8 +63,8 @@ class Command(enum.Enum):
     WAKE = "wake"  # out of vLLM's sleep mode
 
 
-class InPlace(Protocol):
-    """vLLM's sleep mode for one incarnation (supervisor.routing.inplace): each returns the
+class SleepInPlace(Protocol):
+    """vLLM's sleep mode for one incarnation (supervisor.routing.sleepmode): each returns the
     error, or None once done."""
 
     async def sleep(self, spec: EngineSpec, inc: Incarnation) -> str | None: ...
@@ -148,7 +148,7 @@ class ReplicaDeps:
     counted: Callable[[], None] = lambda: None  # a request counted (the state snapshot is due)
     # a group's LoRA adapters, the spec's and those loaded at run time (routing.adapters)
     adapters: Callable[[str], dict[str, str]] = lambda group: {}
-    in_place: InPlace | None = None  # sleep_mode level1/level2 (None: they sleep by a stop)
+    in_place: SleepInPlace | None = None  # sleep_mode level1/level2 (None: they sleep by a stop)
 
     def liveness_for(self, spec: EngineSpec, incarnation: Callable[[], Incarnation]
                      ) -> LivenessStrategy:
@@ -396,6 +396,11 @@ class Replica(Slot):
     def sleep(self) -> None:
         """To sleep (routing.ondemand): in place where its sleep_mode is vLLM's and it serves
         (drained, then vLLM's sleep; its process kept), else by a stop."""
+        if self.asleep_in_place:  # being woken: it sleeps in place again once awake (worker)
+            self.desired = Desired.ASLEEP
+            self.intent.command = None if self.intent.command is Command.WAKE else \
+                self.intent.command
+            return None
         if not (self.spec.sleep_level and self.deps.in_place and self.serving()):
             return self.stop(desired=Desired.ASLEEP)
         self.desired, self.intent.command = Desired.ASLEEP, Command.SLEEP  # routed nothing more

@@ -50,6 +50,8 @@ class ReplicaWorker:
             try:
                 await self._step()
             except asyncio.CancelledError:
+                if self._in_place is not None:  # the replica is closed: its sleep or wake too
+                    self._in_place.cancel()
                 raise
             except Exception:  # noqa: BLE001 - supervision of an engine must never end
                 log.exception("[bug] %s: internal error in its supervision, resuming in 1s",
@@ -183,8 +185,8 @@ class ReplicaWorker:
         else:
             inc.asleep = False
             replica.set_state(EngineState.READY)
-            if not replica.wanted:  # put to sleep again meanwhile
-                replica.sleep()
+            if not replica.wanted:  # put to sleep again meanwhile: in place again
+                self.intent.command = Command.SLEEP
         self.intent.wakeup.set()
 
     def _judge(self, inc: Incarnation, now: float) -> tuple[Reason | None, float | None]:

@@ -104,6 +104,21 @@ def test_a_start_that_overtakes_a_sleep_wakes_it_once_asleep(tmp_path):
     scenario(tmp_path, body)
 
 
+def test_a_sleep_that_overtakes_a_wake_sleeps_in_place_again(tmp_path):
+    async def body(h: OnDemandWorld, mode: FakeSleepMode) -> None:
+        pid = await serving(h)
+        h.od.sleep("a", "operator")
+        await h.w.until(lambda: h.w.replica("a-0").asleep_in_place, what="asleep in place")
+        h.od.wake("a", "operator")
+        await h.w.settle(WAKE_S / 2)
+        h.od.sleep("a", "operator")  # while the engine is still waking up
+        await h.w.until(lambda: len(mode.asked) == 3 and h.w.replica("a-0").asleep_in_place,
+                        what="awake, then asleep in place again")
+        assert h.w.replica("a-0").pid == pid and h.w.spawns("a-0") == 1
+        assert [task for _, _, task in mode.asked] == ["sleep", "wake_up", "sleep"]
+    scenario(tmp_path, body)
+
+
 def test_a_refused_sleep_stops_the_process_and_a_refused_wake_restarts_it(tmp_path):
     async def body(h: OnDemandWorld, mode: FakeSleepMode) -> None:
         first = await serving(h)
